@@ -1,0 +1,544 @@
+"""train_runner.py: real ansible-runner runs of real playbooks, no mocks.
+
+The fast tests run playbooks on localhost (the project's own where one exists, else a few lines
+written here for the behaviour under test). The tests marked `lab` drive the lab cluster
+(inventory/lab.yml) through the API and the CLI; they skip when the lab is not up.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+# train_runner.py is a script at the repository root, not an installed package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import train_runner
+from train_runner import (
+    DEFAULT_INVENTORY,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_INVALID_INPUT,
+    EXIT_OK,
+    EXIT_UNREACHABLE,
+    PROJECT_DIR,
+    Cluster,
+    HostUnreachable,
+    InvalidInput,
+    PlaybookFailed,
+    RunInterrupted,
+    TrainSummary,
+)
+
+TRAIN_PLAYBOOK = PROJECT_DIR / "train.yml"
+needs_train = pytest.mark.skipif(
+    not TRAIN_PLAYBOOK.is_file(), reason="train.yml is not in this checkout yet"
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Fixtures
+# --------------------------------------------------------------------------------------------
+@pytest.fixture
+def local_inventory(tmp_path: Path) -> Path:
+    """A cluster of one host, the controller itself (no SSH)."""
+    path = tmp_path / "local.yml"
+    path.write_text(
+        "all:\n"
+        "  children:\n"
+        "    cluster:\n"
+        "      children:\n"
+        "        master:\n"
+        "          hosts:\n"
+        "            localhost:\n"
+        "              ansible_connection: local\n"
+        "              ansible_python_interpreter: '{{ ansible_playbook_python }}'\n"
+    )
+    return path
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, local_inventory: Path) -> Cluster:
+    return Cluster(local_inventory, private_data_dir=tmp_path / "runner", keep_artifacts=3)
+
+
+def write_playbook(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def cli(*args: str, timeout: float = 1800) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(PROJECT_DIR / "train_runner.py"), *args],
+        cwd=PROJECT_DIR,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Fast: localhost only
+# --------------------------------------------------------------------------------------------
+def test_argument_spec_failure_raises_invalid_input_naming_host_and_task(cluster: Cluster):
+    # playbooks/lab.yml validates lab_state with the role's argument spec before touching Docker.
+    with pytest.raises(InvalidInput) as caught:
+        cluster.run_playbook("playbooks/lab.yml", {"lab_state": "bogus"}, inventory=False)
+    error = caught.value
+    assert error.host == "localhost"
+    assert "Validating arguments" in (error.task or "")
+    assert "bogus" in error.message
+    assert error.result is not None
+    assert error.result.hosts["localhost"].failed == 1
+    assert error.result.status == "failed"
+
+
+@needs_train
+def test_unknown_model_raises_invalid_input_from_the_validation_play(cluster: Cluster):
+    with pytest.raises(InvalidInput) as caught:
+        cluster.train("no-such-model")
+    assert caught.value.host == "localhost"
+    assert "no-such-model" in caught.value.message
+
+
+def test_event_handler_keeps_every_event_and_passes_it_on(cluster: Cluster):
+    seen: list[str] = []
+    with pytest.raises(InvalidInput) as caught:
+        cluster.run_playbook(
+            "playbooks/lab.yml",
+            {"lab_state": "bogus"},
+            inventory=False,
+            on_event=lambda event: seen.append(event["event"]),
+        )
+    result = caught.value.result
+    assert result is not None
+    assert seen == [event["event"] for event in result.events]
+    assert seen[0] == "playbook_on_start"
+    assert "runner_on_failed" in seen
+    assert seen[-1] == "playbook_on_stats"
+    # ansible-runner writes an event only when the handler returned True.
+    assert len(list((result.artifact_dir / "job_events").glob("*.json"))) == len(seen)
+
+
+def test_artifacts_rotate_and_no_env_files_are_written(cluster: Cluster):
+    idents = []
+    for _ in range(5):
+        with pytest.raises(InvalidInput) as caught:
+            cluster.run_playbook("playbooks/lab.yml", {"lab_state": "bogus"}, inventory=False)
+        assert caught.value.result is not None
+        idents.append(caught.value.result.ident)
+        time.sleep(0.05)  # rotation orders by mtime
+    assert len(set(idents)) == 5
+    kept = sorted(p.name for p in (cluster.private_data_dir / "artifacts").iterdir())
+    assert kept == sorted(idents[-3:])
+    assert not (cluster.private_data_dir / "env").exists()
+
+
+def test_stale_env_files_are_refused(cluster: Cluster):
+    (cluster.private_data_dir / "env").mkdir(parents=True)
+    (cluster.private_data_dir / "env" / "extravars").write_text('{"lab_state": "absent"}')
+    with pytest.raises(train_runner.RunnerError, match="env"):
+        cluster.run_playbook("playbooks/lab.yml", {"lab_state": "bogus"}, inventory=False)
+
+
+def test_set_stats_data_becomes_the_train_summary(cluster: Cluster, tmp_path: Path):
+    # The shape train.yml ends with: set_stats data reaches the stats event's artifact_data.
+    playbook = write_playbook(
+        tmp_path,
+        "summary.yml",
+        """
+- name: Summary
+  hosts: localhost
+  gather_facts: false
+  tasks:
+    - name: Report the run
+      ansible.builtin.set_stats:
+        data:
+          llama_run:
+            run_id: train-20260101-000000-tiny
+            world_size: 2
+            effective_batch_size: 16
+            runtime_s: 12.5
+            final_loss: 1.25
+            output_dir: /opt/llama-cluster/runs/train-20260101-000000-tiny/output
+            checkpoints: [checkpoint-10, checkpoint-20]
+            controller_dir: /tmp/runs/train-20260101-000000-tiny
+            loss_plot: /tmp/runs/train-20260101-000000-tiny/training_loss.png
+""",
+    )
+    result = cluster.run_playbook(playbook)
+    assert result.ok
+    assert result.rc == 0
+    assert result.run_id == "train-20260101-000000-tiny"
+    assert result.summary == TrainSummary(
+        run_id="train-20260101-000000-tiny",
+        world_size=2,
+        effective_batch_size=16,
+        runtime_s=12.5,
+        final_loss=1.25,
+        output_dir="/opt/llama-cluster/runs/train-20260101-000000-tiny/output",
+        checkpoints=("checkpoint-10", "checkpoint-20"),
+        controller_dir=Path("/tmp/runs/train-20260101-000000-tiny"),
+        loss_plot=Path("/tmp/runs/train-20260101-000000-tiny/training_loss.png"),
+    )
+    assert result.hosts["localhost"].ok == 1
+
+
+def test_failed_task_raises_playbook_failed_naming_host_task_and_message(
+    cluster: Cluster, tmp_path: Path
+):
+    playbook = write_playbook(
+        tmp_path,
+        "fail.yml",
+        """
+- name: Break
+  hosts: cluster
+  gather_facts: false
+  tasks:
+    - name: Run a command that fails
+      ansible.builtin.command: sh -c 'echo the disk is full >&2; exit 3'
+      changed_when: false
+""",
+    )
+    with pytest.raises(PlaybookFailed) as caught:
+        cluster.run_playbook(playbook)
+    error = caught.value
+    assert type(error) is PlaybookFailed
+    assert error.host == "localhost"
+    assert error.task == "Run a command that fails"
+    assert "the disk is full" in error.message
+    assert "localhost" in str(error)
+    assert "Run a command that fails" in str(error)
+
+
+def test_unreachable_host_raises_host_unreachable(tmp_path: Path):
+    inventory = tmp_path / "ghost.yml"
+    inventory.write_text(
+        "all:\n  hosts:\n    ghost-node:\n      ansible_host: 127.0.0.1\n      ansible_port: 1\n"
+    )
+    playbook = write_playbook(
+        tmp_path,
+        "ping.yml",
+        "- name: Ping\n  hosts: all\n  gather_facts: false\n  tasks:\n"
+        "    - name: Reach the node\n      ansible.builtin.ping:\n",
+    )
+    cluster = Cluster(inventory, private_data_dir=tmp_path / "runner")
+    with pytest.raises(HostUnreachable) as caught:
+        cluster.run_playbook(playbook)
+    assert caught.value.host == "ghost-node"
+    assert caught.value.task == "Reach the node"
+    assert caught.value.result is not None
+    assert caught.value.result.hosts["ghost-node"].unreachable == 1
+
+
+def test_cancel_interrupts_a_running_playbook_and_kills_its_processes(
+    cluster: Cluster, tmp_path: Path
+):
+    marker = "983.25"  # an unusual sleep argument to find the process by
+    playbook = write_playbook(
+        tmp_path,
+        "slow.yml",
+        f"""
+- name: Slow
+  hosts: localhost
+  gather_facts: false
+  tasks:
+    - name: Wait a long time
+      ansible.builtin.command: sleep {marker}
+      changed_when: false
+""",
+    )
+
+    def on_event(event: dict) -> None:
+        if event["event"] == "runner_on_start":
+            threading.Timer(1.0, cluster.cancel).start()
+
+    started = time.monotonic()
+    with pytest.raises(RunInterrupted) as caught:
+        cluster.run_playbook(playbook, on_event=on_event)
+    assert time.monotonic() - started < 30
+    assert caught.value.result is not None
+    assert caught.value.result.status == "canceled"
+    assert caught.value.stopped is False
+    time.sleep(0.5)
+    leftovers = subprocess.run(["pgrep", "-f", f"sleep {marker}"], capture_output=True, check=False)
+    assert leftovers.returncode == 1, leftovers.stdout
+
+
+def test_an_on_event_error_cancels_the_run_and_is_raised(cluster: Cluster):
+    def on_event(event: dict) -> None:
+        if event["event"] == "playbook_on_play_start":
+            raise RuntimeError("consumer broke")
+
+    with pytest.raises(RuntimeError, match="consumer broke"):
+        cluster.run_playbook(
+            "playbooks/lab.yml", {"lab_state": "bogus"}, inventory=False, on_event=on_event
+        )
+
+
+def test_missing_inventory_is_invalid_input(tmp_path: Path):
+    cluster = Cluster(tmp_path / "nowhere.yml", private_data_dir=tmp_path / "runner")
+    with pytest.raises(InvalidInput, match=r"nowhere\.yml"):
+        cluster.provision()
+
+
+def test_progress_reads_the_trainer_log_and_the_contract_names():
+    llamafactory = train_runner.TrainProgress.from_result(
+        "node1",
+        {
+            "progress": "step 3/10",
+            "progress_data": {
+                "current_steps": 3,
+                "total_steps": 10,
+                "loss": 2.5,
+                "elapsed_time": "0:01:02",
+                "remaining_time": "0:02:30",
+                "throughput": 120.0,
+            },
+        },
+    )
+    contract = train_runner.TrainProgress.from_result(
+        "node1",
+        {"progress": "x", "progress_data": {"step": 3, "total_steps": 10, "remaining_s": 150}},
+    )
+    assert llamafactory is not None
+    assert contract is not None
+    assert (llamafactory.step, llamafactory.elapsed_s, llamafactory.remaining_s) == (3, 62, 150)
+    assert llamafactory.fraction == pytest.approx(0.3)
+    assert (contract.step, contract.total_steps, contract.remaining_s) == (3, 10, 150)
+    assert train_runner.TrainProgress.from_result("node1", {"msg": "no progress"}) is None
+
+
+# ---- the CLI -------------------------------------------------------------------------------
+def test_cli_exits_2_on_bad_input(tmp_path: Path):
+    missing = cli("--inventory", str(tmp_path / "nowhere.yml"), "provision")
+    assert missing.returncode == EXIT_INVALID_INPUT
+    assert "does not exist" in missing.stdout
+    bad_value = cli("lab", "--nodes", "0")
+    assert bad_value.returncode == EXIT_INVALID_INPUT
+    bad_spec = cli("run", "playbooks/lab.yml", "-e", "lab_state=bogus")
+    assert bad_spec.returncode == EXIT_INVALID_INPUT
+    assert "localhost" in bad_spec.stdout
+
+
+def test_cli_exits_0_1_and_3_and_reports_json(tmp_path: Path, local_inventory: Path):
+    ok = write_playbook(
+        tmp_path,
+        "ok.yml",
+        "- name: Fine\n  hosts: cluster\n  gather_facts: false\n  tasks:\n"
+        "    - name: Reach the node\n      ansible.builtin.ping:\n",
+    )
+    fail = write_playbook(
+        tmp_path,
+        "fail.yml",
+        "- name: Break\n  hosts: cluster\n  gather_facts: false\n  tasks:\n"
+        "    - name: Fail on purpose\n      ansible.builtin.fail:\n"
+        "        msg: broken on purpose\n",
+    )
+    ghost = tmp_path / "ghost.yml"
+    ghost.write_text(
+        "all:\n  children:\n    cluster:\n      hosts:\n        ghost-node:\n"
+        "          ansible_host: 127.0.0.1\n          ansible_port: 1\n"
+    )
+
+    succeeded = cli("--json", "-i", str(local_inventory), "run", str(ok))
+    assert succeeded.returncode == EXIT_OK, succeeded.stderr
+    assert '"status": "successful"' in succeeded.stdout
+    assert "PLAY Fine" in succeeded.stderr
+
+    failed = cli("-i", str(local_inventory), "run", str(fail))
+    assert failed.returncode == EXIT_FAILED
+    assert "broken on purpose" in failed.stdout
+    assert "Fail on purpose" in failed.stdout
+
+    unreachable = cli("-i", str(ghost), "run", str(ok))
+    assert unreachable.returncode == EXIT_UNREACHABLE
+    assert "ghost-node" in unreachable.stdout
+
+
+def test_cli_ctrl_c_exits_130(tmp_path: Path, local_inventory: Path):
+    playbook = write_playbook(
+        tmp_path,
+        "slow.yml",
+        "- name: Slow\n  hosts: cluster\n  gather_facts: false\n  tasks:\n"
+        "    - name: Wait\n      ansible.builtin.command: sleep 977.5\n"
+        "      changed_when: false\n",
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "train_runner.py", "-i", str(local_inventory), "run", str(playbook)],
+        cwd=PROJECT_DIR,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    time.sleep(4)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == EXIT_INTERRUPTED, out
+    assert "INTERRUPTED" in out
+
+
+# --------------------------------------------------------------------------------------------
+# The lab: real nodes over SSH
+# --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def lab() -> Cluster:
+    if not DEFAULT_INVENTORY.is_file():
+        pytest.skip(
+            f"{DEFAULT_INVENTORY} is absent: start the lab with `python train_runner.py lab`"
+        )
+    return Cluster()
+
+
+def lab_hosts() -> list[str]:
+    hosts: list[str] = []
+
+    def walk(group: dict) -> None:
+        hosts.extend((group.get("hosts") or {}).keys())
+        for child in (group.get("children") or {}).values():
+            walk(child or {})
+
+    walk(yaml.safe_load(DEFAULT_INVENTORY.read_text())["all"])
+    return hosts
+
+
+@pytest.fixture(scope="module")
+def provisioned(lab: Cluster) -> Cluster:
+    result = lab.provision()
+    assert result.ok
+    assert set(result.hosts) >= set(lab_hosts())
+    assert not any(s.failed or s.unreachable for s in result.hosts.values())
+    return lab
+
+
+@pytest.mark.lab
+def test_lab_provision_reports_every_node(provisioned: Cluster):
+    # The fixture asserted it; a second run must change nothing (idempotence through the API).
+    result = provisioned.provision()
+    assert all(s.changed == 0 for s in result.hosts.values()), result.hosts
+
+
+@pytest.mark.lab
+@needs_train
+def test_lab_train_tiny_returns_the_summary(provisioned: Cluster):
+    events: list[dict] = []
+    result = provisioned.train("tiny", on_event=events.append)
+    assert result.ok
+    summary = result.summary
+    assert summary is not None
+    assert summary.run_id == result.run_id
+    assert summary.world_size == len(lab_hosts())
+    assert (summary.effective_batch_size or 0) > 0
+    assert (summary.runtime_s or 0) > 0
+    assert isinstance(summary.final_loss, float)
+    assert summary.controller_dir is not None
+    assert summary.controller_dir.is_dir()
+    assert summary.loss_plot is None or summary.loss_plot.is_file()
+    assert any(e["event"] == "runner_retry" for e in events)
+    assert result.progress is not None
+
+
+@pytest.mark.lab
+@needs_train
+def test_lab_unknown_model_raises_invalid_input(lab: Cluster):
+    with pytest.raises(InvalidInput) as caught:
+        lab.train("no-such-model")
+    assert caught.value.host == "localhost"
+    assert caught.value.result is not None
+    assert not any(h.startswith("llama-lab") for h in caught.value.result.hosts)
+
+
+@pytest.mark.lab
+@needs_train
+def test_lab_killed_rank_raises_playbook_failed_naming_the_node(provisioned: Cluster):
+    victim = lab_hosts()[-1]  # the last worker
+    run_id = f"train-pytest-kill-{int(time.time())}"
+    killed = threading.Event()
+
+    def kill_rank() -> None:
+        subprocess.run(
+            ["docker", "exec", victim, "systemctl", "kill", "--signal=KILL", f"llama-{run_id}-*"],
+            check=False,
+        )
+
+    def on_event(event: dict) -> None:
+        # Kill once the job is being watched: every rank is up by then.
+        if event["event"] == "runner_retry" and not killed.is_set():
+            killed.set()
+            threading.Thread(target=kill_rank).start()
+
+    with pytest.raises(PlaybookFailed) as caught:
+        provisioned.train(
+            "tiny", run_id=run_id, on_event=on_event, num_train_epochs=200, save_steps=100000
+        )
+    assert killed.is_set(), "the job finished before it could be killed"
+    assert caught.value.host == victim
+    assert victim in caught.value.message
+    status = provisioned.status(run_id)
+    assert status.ok
+
+
+@pytest.mark.lab
+@needs_train
+def test_lab_cli_train_shows_progress_and_exits_0_then_2(provisioned: Cluster):
+    ok = cli("train", "--model", "tiny")
+    assert ok.returncode == EXIT_OK, ok.stdout[-3000:]
+    assert "step " in ok.stdout
+    assert "loss " in ok.stdout
+    assert "training summary" in ok.stdout
+    bad = cli("train", "--model", "no-such-model")
+    assert bad.returncode == EXIT_INVALID_INPUT
+    assert "no-such-model" in bad.stdout
+
+
+@pytest.mark.lab
+@needs_train
+def test_lab_cli_ctrl_c_stops_every_rank(provisioned: Cluster):
+    run_id = f"train-pytest-int-{int(time.time())}"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "train_runner.py",
+            "train",
+            "--model",
+            "tiny",
+            "--run-id",
+            run_id,
+            "-e",
+            "num_train_epochs=200",
+        ],
+        cwd=PROJECT_DIR,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if " step " in line or "running" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=600)
+    out = "".join(lines) + out
+    assert proc.returncode == EXIT_INTERRUPTED, out[-3000:]
+    assert "stopped on every node" in out
+    for host in lab_hosts():
+        units = subprocess.run(
+            ["docker", "exec", host, "systemctl", "list-units", "--no-legend", f"llama-{run_id}-*"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert "running" not in units.stdout, (host, units.stdout)
