@@ -1,0 +1,94 @@
+"""Filters for the preflight: compare what every node reports and say which node is odd."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+MISSING = "-"
+
+
+def _text(value: Any) -> str:  # noqa: ANN401 - facts are arbitrary JSON
+    """One cell of the table: lists of GPUs become their distinct model names."""
+    if value is None or value == "":
+        return MISSING
+    if isinstance(value, dict):
+        value = value.get("name", value.get("model", ""))
+        return _text(value)
+    if isinstance(value, list | tuple):
+        names = sorted({_text(item) for item in value})
+        return "+".join(names) if names else MISSING
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value).strip()
+
+
+def preflight_consistency(
+    local_facts: dict[str, dict[str, Any]],
+    keys: list[dict[str, str]],
+    reference: str,
+) -> dict[str, Any]:
+    """Compare the local facts of every node.
+
+    local_facts maps a host to its ansible_local; keys lists {name, fact, key}; reference is the
+    host whose value wins a tie (the master). Returns missing (host: facts it lacks), rows,
+    a printable table and one message per odd value.
+    """
+    facts_needed = sorted({key["fact"] for key in keys})
+    missing = {
+        host: [fact for fact in facts_needed if not isinstance(facts.get(fact), dict)]
+        for host, facts in local_facts.items()
+    }
+    missing = {host: facts for host, facts in missing.items() if facts}
+
+    hosts = list(local_facts)
+    rows = {
+        host: {
+            key["name"]: _text((local_facts[host].get(key["fact"]) or {}).get(key["key"]))
+            for key in keys
+        }
+        for host in hosts
+    }
+
+    mismatches: list[str] = []
+    for key in keys:
+        name = key["name"]
+        values = {host: rows[host][name] for host in hosts}
+        counts = Counter(values.values())
+        if len(counts) < 2:
+            continue
+        top = max(counts.values())
+        leaders = [value for value, count in counts.items() if count == top]
+        usual = values.get(reference) if values.get(reference) in leaders else leaders[0]
+        agreeing = sorted(host for host, value in values.items() if value == usual)
+        for host in hosts:
+            if values[host] != usual:
+                mismatches.append(
+                    f"{host}: {name} is {values[host]}, but {usual} on {', '.join(agreeing)}"
+                )
+
+    return {
+        "missing": missing,
+        "rows": rows,
+        "table": _table(hosts, [key["name"] for key in keys], rows),
+        "mismatches": mismatches,
+    }
+
+
+def _table(hosts: list[str], names: list[str], rows: dict[str, dict[str, str]]) -> list[str]:
+    """Lines of a fixed-width table: one row per node, one column per checked value."""
+    header = ["node", *names]
+    body = [[host, *(rows[host][name] for name in names)] for host in hosts]
+    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+    return [
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        for line in [header, *body]
+    ]
+
+
+class FilterModule:
+    """The preflight's filters."""
+
+    def filters(self) -> dict[str, Any]:
+        """Map filter names to functions."""
+        return {"preflight_consistency": preflight_consistency}
