@@ -184,6 +184,7 @@ class TrainSummary:
     effective_batch_size: int | None = None
     runtime_s: float | None = None
     final_loss: float | None = None
+    last_step: int | None = None
     output_dir: str | None = None
     checkpoints: tuple[str, ...] = ()
     controller_dir: Path | None = None
@@ -202,6 +203,7 @@ class TrainSummary:
             effective_batch_size=data.get("effective_batch_size"),
             runtime_s=data.get("runtime_s"),
             final_loss=data.get("final_loss"),
+            last_step=data.get("last_step"),
             output_dir=data.get("output_dir"),
             checkpoints=tuple(str(c) for c in data.get("checkpoints") or ()),
             controller_dir=path(data.get("controller_dir")),
@@ -347,9 +349,7 @@ class _Collector:
             progress = TrainProgress.from_result(data.get("host", ""), res)
             if progress:
                 self.progress = progress
-            facts = res.get("ansible_facts")
-            if isinstance(facts, Mapping) and isinstance(facts.get("run_id"), str):
-                self.run_id = facts["run_id"]
+            self.run_id = _run_id_in(res.get("ansible_facts")) or self.run_id
         if self.on_event and self.callback_error is None:
             try:
                 self.on_event(event)
@@ -362,6 +362,15 @@ class _Collector:
         return next(
             (e for e in reversed(self.events) if e.get("event") == "playbook_on_stats"), None
         )
+
+
+def _run_id_in(facts: object) -> str | None:
+    """The run id a play settled on: train.yml's `llama_plan` fact (or a plain `run_id`)."""
+    if not isinstance(facts, Mapping):
+        return None
+    plan = facts.get("llama_plan")
+    value = plan.get("run_id") if isinstance(plan, Mapping) else facts.get("run_id")
+    return value if isinstance(value, str) and value else None
 
 
 class _Canceller:
@@ -554,16 +563,17 @@ class Cluster:
         on_event: EventCallback | None = None,
         **overrides: object,
     ) -> RunResult:
-        """Train `model` (a catalogue name) on `dataset`; `overrides` are catalogue overrides.
+        """Train `model` (a catalogue name) on `dataset`; `overrides` are train.yml's other
+        variables (model_path, cutoff_len, deepspeed, train_args={...}, ...).
 
         Returns when the run has finished (or, with detach, once every rank has started); the
-        result's `summary` holds what train.yml reported. If the run is interrupted, the cluster
-        is asked to stop it (stop.yml) unless `detach`, and RunInterrupted says whether it did.
+        result's `run_id` is the one train.yml settled on and `summary` what it reported. With
+        `resume`, `run_id` names the run to continue (default: the latest). If the run is
+        interrupted once ranks may have started, the cluster is asked to stop it (stop.yml)
+        unless `detach`, and RunInterrupted says whether it was.
         """
         if not model or not isinstance(model, str):
             raise InvalidInput("model must be a catalogue name such as 'tiny'")
-        if run_id is None and not resume:
-            run_id = f"train-{datetime.now(UTC):%Y%m%d-%H%M%S}-{model}"
         extravars: dict[str, Any] = {"model": model, "resume": resume, "detach": detach}
         extravars |= {"dataset": dataset} if dataset else {}
         extravars |= {"run_id": run_id} if run_id else {}
@@ -574,10 +584,12 @@ class Cluster:
         try:
             result = self.run_playbook(PLAYBOOKS["train"], extravars, on_event=on_event)
         except RunInterrupted as interrupted:
-            known_id = interrupted.run_id or run_id
-            if detach or not known_id:
+            # No run id seen yet: the validation play had not finished, no rank was started.
+            if detach or not interrupted.run_id:
                 raise
-            raise self._stop_after_interrupt(known_id, interrupted.result) from interrupted
+            raise self._stop_after_interrupt(
+                interrupted.run_id, interrupted.result
+            ) from interrupted
         if result.summary is None and result.data.get("llama_run"):
             result.summary = TrainSummary.from_stats(result.data["llama_run"])
         return result
@@ -679,8 +691,8 @@ class Cluster:
         summary = TrainSummary.from_stats(data["llama_run"]) if "llama_run" in data else None
         run_id = (
             (summary.run_id if summary else None)
-            or (extravars or {}).get("run_id")
             or collector.run_id
+            or (extravars or {}).get("run_id")
         )
         result = RunResult(
             playbook=str(playbook),
@@ -937,6 +949,7 @@ def _summary_panel(summary: TrainSummary) -> Panel:
         f"effective batch {summary.effective_batch_size}",
         f"runtime         {_duration(summary.runtime_s)}",
         f"final loss      {summary.final_loss}",
+        f"steps           {summary.last_step}",
         f"output dir      {summary.output_dir}",
         f"checkpoints     {', '.join(summary.checkpoints) or '-'}",
         f"on controller   {summary.controller_dir or '-'}",
@@ -996,7 +1009,7 @@ def _build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", parents=[extra], help="train a model from the catalogue")
     train.add_argument("--model", required=True, help="catalogue name, e.g. tiny, qwen-7b")
     train.add_argument("--dataset")
-    train.add_argument("--run-id")
+    train.add_argument("--run-id", help="with --resume: the run to continue (default: latest)")
     train.add_argument("--resume", action="store_true", help="resume from the last checkpoint")
     train.add_argument("--detach", action="store_true", help="return once every rank started")
     sub.add_parser("status", parents=[run_id], help="the state of a run")

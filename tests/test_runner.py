@@ -7,7 +7,7 @@ written here for the behaviour under test). The tests marked `lab` drive the lab
 
 from __future__ import annotations
 
-import os
+import re
 import signal
 import subprocess
 import sys
@@ -458,34 +458,70 @@ def test_lab_unknown_model_raises_invalid_input(lab: Cluster):
     assert not any(h.startswith("llama-lab") for h in caught.value.result.hosts)
 
 
+LONG_RUN = {"num_train_epochs": 2000, "save_steps": 100000}  # runs until stopped
+
+
+def run_units(host: str, run_id: str) -> str:
+    """The systemd units of a run that are still running on a lab node."""
+    return subprocess.run(
+        [
+            "docker",
+            "exec",
+            host,
+            "systemctl",
+            "list-units",
+            "--no-legend",
+            "--plain",
+            "--state=running",
+            f"llama-{run_id}-*",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout
+
+
 @pytest.mark.lab
 @needs_train
 def test_lab_killed_rank_raises_playbook_failed_naming_the_node(provisioned: Cluster):
     victim = lab_hosts()[-1]  # the last worker
-    run_id = f"train-pytest-kill-{int(time.time())}"
+    run_ids: list[str] = []
     killed = threading.Event()
 
     def kill_rank() -> None:
         subprocess.run(
-            ["docker", "exec", victim, "systemctl", "kill", "--signal=KILL", f"llama-{run_id}-*"],
+            [
+                "docker",
+                "exec",
+                victim,
+                "systemctl",
+                "kill",
+                "--signal=KILL",
+                f"llama-{run_ids[-1]}-*",
+            ],
             check=False,
         )
 
     def on_event(event: dict) -> None:
+        facts = (event["event_data"].get("res") or {}).get("ansible_facts") or {}
+        if "llama_plan" in facts:
+            run_ids.append(facts["llama_plan"]["run_id"])
         # Kill once the job is being watched: every rank is up by then.
-        if event["event"] == "runner_retry" and not killed.is_set():
+        if event["event"] == "runner_retry" and run_ids and not killed.is_set():
             killed.set()
             threading.Thread(target=kill_rank).start()
 
     with pytest.raises(PlaybookFailed) as caught:
-        provisioned.train(
-            "tiny", run_id=run_id, on_event=on_event, num_train_epochs=200, save_steps=100000
-        )
+        provisioned.train("tiny", on_event=on_event, train_args=LONG_RUN)
     assert killed.is_set(), "the job finished before it could be killed"
-    assert caught.value.host == victim
-    assert victim in caught.value.message
-    status = provisioned.status(run_id)
-    assert status.ok
+    error = caught.value
+    assert error.host == victim
+    assert victim in error.failed_hosts
+    assert victim in error.message
+    assert error.result is not None
+    assert error.result.run_id == run_ids[-1]
+    for host in lab_hosts():
+        assert run_units(host, run_ids[-1]) == "", host
 
 
 @pytest.mark.lab
@@ -504,7 +540,6 @@ def test_lab_cli_train_shows_progress_and_exits_0_then_2(provisioned: Cluster):
 @pytest.mark.lab
 @needs_train
 def test_lab_cli_ctrl_c_stops_every_rank(provisioned: Cluster):
-    run_id = f"train-pytest-int-{int(time.time())}"
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -512,33 +547,26 @@ def test_lab_cli_ctrl_c_stops_every_rank(provisioned: Cluster):
             "train",
             "--model",
             "tiny",
-            "--run-id",
-            run_id,
             "-e",
-            "num_train_epochs=200",
+            "train_args={num_train_epochs: 2000, save_steps: 100000}",
         ],
         cwd=PROJECT_DIR,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "COLUMNS": "200"},
     )
     assert proc.stdout is not None
     lines = []
-    for line in proc.stdout:
+    for line in proc.stdout:  # interrupt at the first progress line of the watched job
         lines.append(line)
-        if " step " in line or "running" in line:
+        if " step " in line:
             break
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=600)
     out = "".join(lines) + out
     assert proc.returncode == EXIT_INTERRUPTED, out[-3000:]
-    assert "stopped on every node" in out
+    assert "stopped on every node" in out, out[-3000:]
+    run_id = re.search(r"run (train-\S+) was interrupted", out)
+    assert run_id, out[-3000:]
     for host in lab_hosts():
-        units = subprocess.run(
-            ["docker", "exec", host, "systemctl", "list-units", "--no-legend", f"llama-{run_id}-*"],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        assert "running" not in units.stdout, (host, units.stdout)
+        assert run_units(host, run_id.group(1)) == "", host
