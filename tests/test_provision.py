@@ -1,0 +1,373 @@
+"""Provisioning without containers: what the GPU roles would install on each supported OS, and
+bad input failing in provision.yml's pre-flight plays, before any node changes.
+
+The hosts are throwaway inventory entries on the local connection whose OS facts are seeded into
+a private fact cache (set_fact cacheable), so the real role tasks run against Ubuntu 22.04,
+Ubuntu 24.04 and Debian 12 as Ansible sees them. Everything that could change a host runs in
+check mode; the roles' plan/validate tasks are read-only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PROJECT = Path(__file__).resolve().parents[1]
+ANSIBLE_PLAYBOOK = str(Path(sys.executable).with_name("ansible-playbook"))
+
+OS_FACTS = {
+    "ubuntu2204": ("Ubuntu", "22.04", "22", "jammy", "Debian", 3, 10),
+    "ubuntu2404": ("Ubuntu", "24.04", "24", "noble", "Debian", 3, 12),
+    "debian12": ("Debian", "12.12", "12", "bookworm", "Debian", 3, 11),
+    "fedora40": ("Fedora", "40", "40", "", "RedHat", 3, 12),
+}
+KERNEL = "6.1.0-99-amd64"
+
+
+def seed_playbook(hosts: dict[str, tuple]) -> list[dict]:
+    """A play per host that gathers its facts, then replaces the OS in the fact cache."""
+    plays = []
+    for host, (dist, version, major, release, family, py_major, py_minor) in hosts.items():
+        facts = {
+            "ansible_distribution": dist,
+            "ansible_distribution_version": version,
+            "ansible_distribution_major_version": major,
+            "ansible_distribution_release": release,
+            "ansible_os_family": family,
+            "ansible_kernel": KERNEL,
+            "ansible_architecture": "x86_64",
+            "ansible_python": {"version": {"major": py_major, "minor": py_minor}},
+            "ansible_default_ipv4": {"address": "127.0.0.1"},
+        }
+        plays.append(
+            {
+                "name": f"Seed {host}",
+                "hosts": host,
+                "gather_facts": True,
+                "tasks": [{"ansible.builtin.set_fact": {**facts, "cacheable": True}}],
+            }
+        )
+    return plays
+
+
+class Lab:
+    """A throwaway inventory, fact cache and output directory."""
+
+    def __init__(self, root: Path, hosts: list[str]) -> None:
+        self.root = root
+        self.out = root / "out"
+        self.out.mkdir()
+        pci = root / "pci"
+        pci.mkdir()
+        (root / "group_vars").symlink_to(PROJECT / "group_vars")
+        inventory = {
+            "all": {
+                "children": {
+                    "cluster": {"hosts": {h: {} for h in hosts}},
+                    "master": {"hosts": {hosts[0]: {}}},
+                },
+                "vars": {
+                    "ansible_connection": "local",
+                    "ansible_python_interpreter": sys.executable,
+                    "host_facts_pci_devices_dir": str(pci),
+                },
+            }
+        }
+        self.inventory = root / "inventory.yml"
+        self.inventory.write_text(json.dumps(inventory))
+        self.env = {
+            **os.environ,
+            "ANSIBLE_CACHE_PLUGIN_CONNECTION": str(root / "facts"),
+            "ANSIBLE_STDOUT_CALLBACK": "ansible.builtin.default",
+            "ANSIBLE_NOCOLOR": "1",
+            "ANSIBLE_FORCE_COLOR": "0",
+            "LLAMA_CLUSTER_CACHE": str(root / "cache"),
+        }
+        seed = root / "seed.yml"
+        seed.write_text(json.dumps(seed_playbook({h: OS_FACTS[h] for h in hosts})))
+        self.run(seed, check=True)
+
+    def run(self, playbook: Path, *args: str, check: bool = False) -> subprocess.CompletedProcess:
+        """ansible-playbook from the project root (its ansible.cfg applies)."""
+        proc = subprocess.run(
+            [ANSIBLE_PLAYBOOK, "-i", str(self.inventory), str(playbook), *args],
+            cwd=PROJECT,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=300,
+        )
+        if check:
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc
+
+
+PLAN_PLAYBOOK = [
+    {
+        "name": "Render what the GPU roles would install",
+        "hosts": "cluster",
+        "gather_facts": False,
+        "tasks": [
+            {"ansible.builtin.include_role": {"name": role, "tasks_from": "plan.yml"}}
+            for role in ("nvidia_driver", "cuda_toolkit", "nccl")
+        ]
+        + [
+            {
+                "ansible.builtin.copy": {
+                    "dest": "{{ out_dir }}/{{ inventory_hostname }}.json",
+                    "mode": "0644",
+                    "content": "{{ {"
+                    "'driver_packages': __nvidia_driver_packages,"
+                    "'driver_repo_lines': __nvidia_driver_repo_lines,"
+                    "'cuda_repo_line': __cuda_toolkit_repo_line,"
+                    "'cuda_key_url': __cuda_toolkit_repo_key_url,"
+                    "'toolkit_packages': __cuda_toolkit_packages,"
+                    "'cuda_home': __cuda_toolkit_home,"
+                    "'nccl_packages': __nccl_packages} | to_json }}",
+                },
+                "delegate_to": "localhost",
+            }
+        ],
+    }
+]
+
+SUPPORTED = ["ubuntu2204", "ubuntu2404", "debian12"]
+
+
+@pytest.fixture(scope="module")
+def gpu_lab(tmp_path_factory: pytest.TempPathFactory) -> Lab:
+    return Lab(tmp_path_factory.mktemp("gpu"), SUPPORTED)
+
+
+def render(lab: Lab, *extra: str) -> dict[str, dict]:
+    playbook = lab.root / "plan.yml"
+    playbook.write_text(json.dumps(PLAN_PLAYBOOK))
+    for f in lab.out.glob("*.json"):
+        f.unlink()
+    lab.run(
+        playbook,
+        "-e",
+        json.dumps({"out_dir": str(lab.out), "cluster_accelerator": "nvidia", **dict(extra)}),
+        check=True,
+    )
+    return {f.stem: json.loads(f.read_text()) for f in lab.out.glob("*.json")}
+
+
+def test_gpu_plan_uses_each_distros_driver_packages_and_nvidias_cuda_repository(gpu_lab: Lab):
+    plans = render(gpu_lab, ("nccl_system_install", True))
+    headers = f"linux-headers-{KERNEL}"
+
+    assert plans["ubuntu2204"]["driver_packages"] == [
+        "nvidia-driver-580-server",
+        "nvidia-utils-580-server",
+        headers,
+    ]
+    assert plans["ubuntu2404"]["driver_packages"] == plans["ubuntu2204"]["driver_packages"]
+    assert plans["debian12"]["driver_packages"] == [
+        "nvidia-driver=535.309.01-0+deb12u1",
+        "nvidia-kernel-dkms=535.309.01-0+deb12u1",
+        "nvidia-smi=535.309.01-0+deb12u1",
+        "firmware-misc-nonfree",
+        headers,
+    ]
+    # Only Debian needs its non-free components enabled; Ubuntu's drivers are in restricted.
+    assert plans["ubuntu2204"]["driver_repo_lines"] == []
+    assert plans["debian12"]["driver_repo_lines"] == [
+        "deb http://deb.debian.org/debian bookworm contrib non-free non-free-firmware",
+        "deb http://deb.debian.org/debian bookworm-updates contrib non-free non-free-firmware",
+        "deb http://security.debian.org/debian-security bookworm-security contrib non-free"
+        " non-free-firmware",
+    ]
+    repos = "https://developer.download.nvidia.com/compute/cuda/repos"
+    for host, distro in [
+        ("ubuntu2204", "ubuntu2204"),
+        ("ubuntu2404", "ubuntu2404"),
+        ("debian12", "debian12"),
+    ]:
+        plan = plans[host]
+        assert plan["cuda_repo_line"] == (
+            f"deb [signed-by=/etc/apt/keyrings/cuda-archive-keyring.asc] {repos}/{distro}/x86_64/ /"
+        )
+        assert plan["cuda_key_url"] == f"{repos}/{distro}/x86_64/3bf863cc.pub"
+        assert plan["toolkit_packages"] == ["cuda-toolkit-12-8"]
+        assert plan["cuda_home"] == "/usr/local/cuda-12.8"
+        assert plan["nccl_packages"] == [
+            "libnccl2=2.26.2-1+cuda12.8",
+            "libnccl-dev=2.26.2-1+cuda12.8",
+        ]
+
+
+def test_gpu_plan_from_cuda_repository_uses_cuda_drivers_of_the_branch(gpu_lab: Lab):
+    plans = render(
+        gpu_lab,
+        ("nvidia_driver_source", "cuda_repo"),
+        ("nvidia_driver_fabricmanager", True),
+        ("cuda_version", "13.0"),
+        (
+            "nvidia_driver_branch",
+            {"ubuntu-22.04": "580", "ubuntu-24.04": "580", "debian-12": "580"},
+        ),
+        ("nvidia_driver_package_version", {}),
+    )
+    for host in SUPPORTED:
+        assert plans[host]["driver_packages"] == [
+            "cuda-drivers-580",
+            f"linux-headers-{KERNEL}",
+            "nvidia-fabricmanager-580",
+        ]
+        assert plans[host]["driver_repo_lines"] == []
+        assert plans[host]["toolkit_packages"] == ["cuda-toolkit-13-0"]
+        assert plans[host]["nccl_packages"] == []
+
+
+def test_gpu_plan_fails_when_debians_535_driver_is_too_old_for_cuda_13(gpu_lab: Lab):
+    playbook = gpu_lab.root / "plan.yml"
+    playbook.write_text(json.dumps(PLAN_PLAYBOOK))
+    proc = gpu_lab.run(
+        playbook,
+        "-e",
+        json.dumps(
+            {"out_dir": str(gpu_lab.out), "cluster_accelerator": "nvidia", "cuda_version": "13.0"}
+        ),
+    )
+    assert proc.returncode != 0
+    assert "debian-12 gets NVIDIA driver 535.309.01-0+deb12u1" in proc.stdout
+    assert "needs a driver >= 580.65.06" in proc.stdout
+
+
+# provision.yml's pre-flight: each bad input stops the run before the Provision play.
+
+
+@pytest.fixture(scope="module")
+def debian_lab(tmp_path_factory: pytest.TempPathFactory) -> Lab:
+    return Lab(tmp_path_factory.mktemp("debian"), ["debian12"])
+
+
+def preflight_failure(lab: Lab, extra: dict) -> str:
+    proc = lab.run(PROJECT / "provision.yml", "--check", "-e", json.dumps(extra))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "PLAY [Provision" not in out, "the Provision play started despite bad input"
+    assert "changed=0" in out
+    assert "changed=1" not in out
+    return " ".join(out.split())
+
+
+def test_unknown_os_fails_before_any_change(tmp_path: Path):
+    lab = Lab(tmp_path, ["fedora40"])
+    out = preflight_failure(lab, {"cluster_accelerator": "cpu"})
+    assert "fedora40 runs Fedora 40 (fedora-40), which these roles do not support" in out
+    assert "Supported: ubuntu-22.04, ubuntu-24.04, debian-12" in out
+
+
+def test_unknown_cuda_version_fails_before_any_change(debian_lab: Lab):
+    out = preflight_failure(debian_lab, {"cuda_version": "11.1"})
+    assert "cuda_version '11.1' has no entry in torch_matrix" in out
+    assert "known: 13.0, 12.8, 12.6, cpu" in out
+
+
+def test_node_without_gpu_fails_in_a_gpu_cluster(debian_lab: Lab):
+    out = preflight_failure(debian_lab, {"cluster_accelerator": "nvidia"})
+    assert "debian12 has no NVIDIA GPU on its PCI bus" in out
+    assert "set cluster_accelerator: cpu" in out
+
+
+def test_wheelhouse_lacking_a_pinned_package_fails_before_any_change(debian_lab: Lab):
+    wheelhouse = debian_lab.root / "cache" / "wheelhouse" / "cp311-pypi"
+    wheelhouse.mkdir(parents=True)
+    for name in (
+        "torch-2.11.0-cp311-cp311-manylinux_2_28_x86_64.whl",
+        "torchaudio-2.11.0-cp311-cp311-manylinux_2_28_x86_64.whl",
+        "llamafactory-0.9.5-py3-none-any.whl",
+    ):
+        (wheelhouse / name).touch()
+    out = preflight_failure(
+        debian_lab, {"cluster_accelerator": "cpu", "wheelhouse_download": False}
+    )
+    assert f"The wheelhouse {wheelhouse} lacks" in out
+    assert "torchvision==0.26.0" in out
+    assert "deepspeed==0.19.8" in out
+    assert "transformers==5.6.0" in out
+    assert "torch==2.11.0," not in out
+    assert "Run once with wheelhouse_download: true" in out
+
+
+def test_conda_backend_without_installer_checksum_fails_before_any_change(debian_lab: Lab):
+    out = preflight_failure(
+        debian_lab, {"cluster_accelerator": "cpu", "python_env_backend": "conda"}
+    )
+    assert "python_env_conda_installer_sha256 is not a sha256" in out
+
+
+def test_unreachable_conda_installer_fails_naming_the_location(debian_lab: Lab):
+    playbook = debian_lab.root / "conda.yml"
+    base = debian_lab.root / "base"
+    base.mkdir()
+    url = "https://127.0.0.1:9/miniforge/Miniforge3-25.3.1-0-Linux-x86_64.sh"
+    playbook.write_text(
+        json.dumps(
+            [
+                {
+                    "name": "Install Miniforge from an unreachable mirror",
+                    "hosts": "cluster",
+                    "gather_facts": False,
+                    "tasks": [
+                        {
+                            "ansible.builtin.include_role": {
+                                "name": "python_env",
+                                "tasks_from": "conda.yml",
+                            }
+                        }
+                    ],
+                }
+            ]
+        )
+    )
+    proc = debian_lab.run(
+        playbook,
+        "-e",
+        json.dumps(
+            {
+                "cluster_base_dir": str(base),
+                "python_env_conda_installer_url": url,
+                "python_env_conda_installer_sha256": "0" * 64,
+            }
+        ),
+    )
+    out = " ".join(proc.stdout.split())
+    assert proc.returncode != 0
+    assert f"Could not download the Miniforge installer from {url}" in out
+    assert not (base / "conda").exists()
+
+
+def test_gpu_probe_finds_nvidia_gpus_on_the_pci_bus_without_a_driver(tmp_path: Path):
+    def device(addr: str, vendor: str, pci_class: str, dev: str) -> None:
+        d = tmp_path / addr
+        d.mkdir()
+        (d / "vendor").write_text(vendor + "\n")
+        (d / "class").write_text(pci_class + "\n")
+        (d / "device").write_text(dev + "\n")
+
+    device("0000:17:00.0", "0x10de", "0x030200", "0x2335")  # H200: 3D controller
+    device("0000:18:00.0", "0x10de", "0x068000", "0x22a3")  # NVSwitch: a bridge, not a GPU
+    device("0000:00:02.0", "0x8086", "0x030000", "0x46a6")  # Intel VGA
+    probe = PROJECT / "roles/host_facts/files/gpu_probe.py"
+    env = {**os.environ, "PATH": str(tmp_path)}  # no nvidia-smi
+    proc = subprocess.run(
+        [sys.executable, str(probe), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    )
+    result = json.loads(proc.stdout)
+    assert result["gpu_count"] == 1
+    assert result["gpus"][0]["pci_bus_id"] == "0000:17:00.0"
+    assert result["driver_loaded"] is False
+    assert result["driver_version"] is None
