@@ -51,6 +51,8 @@ DEFAULT_INVENTORY = PROJECT_DIR / "inventory" / "lab.yml"
 DEFAULT_PRIVATE_DATA_DIR = PROJECT_DIR / ".runner"
 CONTROLLER_RUNS_DIR = PROJECT_DIR / "runs"
 DEFAULT_KEEP_ARTIFACTS = 20
+# Ctrl-C presses that abandon the stop which follows an interrupted training run.
+SHIELD_INTERRUPTS = 3
 
 PLAYBOOKS: dict[str, str] = {
     "lab": "playbooks/lab.yml",
@@ -500,7 +502,8 @@ class Cluster:
     Methods block until their playbook ends and return a RunResult, or raise PlaybookFailed,
     HostUnreachable, InvalidInput or RunInterrupted. `on_event` (here or per call) receives every
     Ansible event as ansible-runner reports it, from the runner's thread. cancel() (from any thread
-    or a signal handler) or a KeyboardInterrupt cancels the current run.
+    or a signal handler) or a KeyboardInterrupt cancels the current run. One run at a time per
+    Cluster; artifacts of the last `keep_artifacts` runs stay in <private_data_dir>/artifacts/.
     """
 
     def __init__(
@@ -526,6 +529,7 @@ class Cluster:
         self.quiet = quiet
         self.on_event = on_event
         self._cancel = threading.Event()
+        self._busy = threading.Lock()
 
     # ---- the playbooks ---------------------------------------------------------------------
     def lab(
@@ -660,17 +664,32 @@ class Cluster:
             # ansible-runner would silently add env/extravars, env/envvars ... to every run.
             raise RunnerError(f"{stale} exists: remove it, train_runner passes everything per call")
         self.private_data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if not self._busy.acquire(blocking=False):
+            raise RunnerError("this Cluster is running a playbook already: one run at a time")
+        try:
+            return self._run(playbook_path, extravars or {}, inventory, on_event, shield=shield)
+        finally:
+            self._busy.release()
 
-        verb = Path(playbook).stem
+    def _run(
+        self,
+        playbook: Path,
+        extravars: Mapping[str, Any],
+        inventory: bool,
+        on_event: EventCallback | None,
+        *,
+        shield: bool,
+    ) -> RunResult:
+        verb = playbook.stem
         ident = f"{verb}-{datetime.now(UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
         self._cancel.clear()
         collector = _Collector(on_event or self.on_event, self.cancel)
         thread, runner = ansible_runner.run_async(
             private_data_dir=str(self.private_data_dir),
             project_dir=str(self.project_dir),
-            playbook=str(playbook_path),
+            playbook=str(playbook),
             inventory=str(self.inventory) if inventory else None,
-            extravars=dict(extravars or {}),
+            extravars=dict(extravars),
             envvars=self._envvars(),
             ident=ident,
             rotate_artifacts=self.keep_artifacts,
@@ -690,12 +709,12 @@ class Cluster:
         data = dict(stats_data.get("artifact_data") or {})
         summary = TrainSummary.from_stats(data["llama_run"]) if "llama_run" in data else None
         run_id = (
-            (summary.run_id if summary else None)
-            or collector.run_id
-            or (extravars or {}).get("run_id")
+            (summary.run_id if summary else None) or collector.run_id or extravars.get("run_id")
         )
         result = RunResult(
-            playbook=str(playbook),
+            playbook=str(playbook.relative_to(self.project_dir))
+            if playbook.is_relative_to(self.project_dir)
+            else str(playbook),
             ident=ident,
             status=runner.status,
             rc=runner.rc,
@@ -723,14 +742,19 @@ class Cluster:
     def _wait(self, thread: threading.Thread, *, shield: bool) -> None:
         # Poll rather than join(timeout): a KeyboardInterrupt inside join() marks a live thread
         # as finished on Python 3.11 (its tstate lock is released), sleep() is safe to interrupt.
+        interrupts = 0
         while thread.is_alive():
             try:
                 time.sleep(0.2)
             except KeyboardInterrupt:
-                if shield:
-                    log.warning("still stopping the run; waiting for the cluster to confirm")
-                else:
+                interrupts += 1
+                if not shield or interrupts >= SHIELD_INTERRUPTS:
                     self.cancel()
+                else:
+                    log.warning(
+                        "still stopping the run (press Ctrl-C %d more times to abandon the stop)",
+                        SHIELD_INTERRUPTS - interrupts,
+                    )
 
     def _stop_after_interrupt(self, run_id: str, result: RunResult | None) -> RunInterrupted:
         log.warning("interrupted: stopping run %s on every node", run_id)
