@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import configparser
+import contextlib
 import dataclasses
 import json
 import logging
@@ -702,7 +703,7 @@ class Cluster:
             event_handler=collector,
             cancel_callback=_Canceller(self._cancel, collector),
         )
-        self._wait(thread, shield=shield)
+        self._wait(thread, Path(runner.config.artifact_dir), shield=shield)
 
         stats_event = collector.stats_event()
         stats_data = stats_event["event_data"] if stats_event else {}
@@ -739,11 +740,18 @@ class Cluster:
             raise error
         return result
 
-    def _wait(self, thread: threading.Thread, *, shield: bool) -> None:
+    def _wait(self, thread: threading.Thread, artifact_dir: Path, *, shield: bool) -> None:
         # Poll rather than join(timeout): a KeyboardInterrupt inside join() marks a live thread
         # as finished on Python 3.11 (its tstate lock is released), sleep() is safe to interrupt.
         interrupts = 0
+        touched = time.monotonic()
         while thread.is_alive():
+            if time.monotonic() - touched > 10:
+                # Rotation removes the oldest artifact directories by mtime, whichever process
+                # runs next: keep a long run's directory the newest while it runs.
+                with contextlib.suppress(OSError):
+                    os.utime(artifact_dir)
+                touched = time.monotonic()
             try:
                 time.sleep(0.2)
             except KeyboardInterrupt:
@@ -1012,6 +1020,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "130 interrupted",
     )
     parser.add_argument("-i", "--inventory", help=f"inventory file (default: {DEFAULT_INVENTORY})")
+    parser.add_argument(
+        "--private-data-dir",
+        help=f"ansible-runner's directory: recent artifacts (default {DEFAULT_PRIVATE_DATA_DIR})",
+    )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="Ansible verbosity")
     parser.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     parser.add_argument("--raw", action="store_true", help="show Ansible's own output instead")
@@ -1114,7 +1126,12 @@ def main(argv: list[str] | None = None) -> int:
         format="%(message)s",
         handlers=[RichHandler(console=console, show_path=False)],
     )
-    cluster = Cluster(args.inventory, verbosity=args.verbose, quiet=not args.raw)
+    cluster = Cluster(
+        args.inventory,
+        private_data_dir=args.private_data_dir,
+        verbosity=args.verbose,
+        quiet=not args.raw,
+    )
     view = ConsoleView(console)
     if not args.raw:
         cluster.on_event = view

@@ -321,12 +321,13 @@ def test_progress_reads_the_trainer_log_and_the_contract_names():
 
 # ---- the CLI -------------------------------------------------------------------------------
 def test_cli_exits_2_on_bad_input(tmp_path: Path):
-    missing = cli("--inventory", str(tmp_path / "nowhere.yml"), "provision")
+    runner_dir = ("--private-data-dir", str(tmp_path / "runner"))
+    missing = cli(*runner_dir, "--inventory", str(tmp_path / "nowhere.yml"), "provision")
     assert missing.returncode == EXIT_INVALID_INPUT
     assert "does not exist" in missing.stdout
     bad_value = cli("lab", "--nodes", "0")
     assert bad_value.returncode == EXIT_INVALID_INPUT
-    bad_spec = cli("run", "playbooks/lab.yml", "-e", "lab_state=bogus")
+    bad_spec = cli(*runner_dir, "run", "playbooks/lab.yml", "-e", "lab_state=bogus")
     assert bad_spec.returncode == EXIT_INVALID_INPUT
     assert "localhost" in bad_spec.stdout
 
@@ -351,17 +352,18 @@ def test_cli_exits_0_1_and_3_and_reports_json(tmp_path: Path, local_inventory: P
         "          ansible_host: 127.0.0.1\n          ansible_port: 1\n"
     )
 
-    succeeded = cli("--json", "-i", str(local_inventory), "run", str(ok))
+    runner_dir = ("--private-data-dir", str(tmp_path / "runner"))
+    succeeded = cli(*runner_dir, "--json", "-i", str(local_inventory), "run", str(ok))
     assert succeeded.returncode == EXIT_OK, succeeded.stderr
     assert '"status": "successful"' in succeeded.stdout
     assert "PLAY Fine" in succeeded.stderr
 
-    failed = cli("-i", str(local_inventory), "run", str(fail))
+    failed = cli(*runner_dir, "-i", str(local_inventory), "run", str(fail))
     assert failed.returncode == EXIT_FAILED
     assert "broken on purpose" in failed.stdout
     assert "Fail on purpose" in failed.stdout
 
-    unreachable = cli("-i", str(ghost), "run", str(ok))
+    unreachable = cli(*runner_dir, "-i", str(ghost), "run", str(ok))
     assert unreachable.returncode == EXIT_UNREACHABLE
     assert "ghost-node" in unreachable.stdout
 
@@ -375,7 +377,16 @@ def test_cli_ctrl_c_exits_130(tmp_path: Path, local_inventory: Path):
         "      changed_when: false\n",
     )
     proc = subprocess.Popen(
-        [sys.executable, "train_runner.py", "-i", str(local_inventory), "run", str(playbook)],
+        [
+            sys.executable,
+            "train_runner.py",
+            "--private-data-dir",
+            str(tmp_path / "runner"),
+            "-i",
+            str(local_inventory),
+            "run",
+            str(playbook),
+        ],
         cwd=PROJECT_DIR,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -506,13 +517,20 @@ def test_lab_killed_rank_raises_playbook_failed_naming_the_node(provisioned: Clu
         facts = (event["event_data"].get("res") or {}).get("ansible_facts") or {}
         if "llama_plan" in facts:
             run_ids.append(facts["llama_plan"]["run_id"])
-        # Kill once the job is being watched: every rank is up by then.
-        if event["event"] == "runner_retry" and run_ids and not killed.is_set():
+        # Kill once rank 0 reports a training step: every rank is up by then.
+        res = event["event_data"].get("res") or {}
+        progress = train_runner.TrainProgress.from_result("", res)
+        if progress and progress.step is not None and run_ids and not killed.is_set():
             killed.set()
             threading.Thread(target=kill_rank).start()
 
-    with pytest.raises(PlaybookFailed) as caught:
-        provisioned.train("tiny", on_event=on_event, train_args=LONG_RUN)
+    watchdog = threading.Timer(900, provisioned.cancel)  # never let the long run go on
+    watchdog.start()
+    try:
+        with pytest.raises(PlaybookFailed) as caught:
+            provisioned.train("tiny", on_event=on_event, train_args=LONG_RUN)
+    finally:
+        watchdog.cancel()
     assert killed.is_set(), "the job finished before it could be killed"
     error = caught.value
     assert error.host == victim
