@@ -1,0 +1,164 @@
+"""Every template renders for every catalogue model and is accepted by the real tools.
+
+Rendering goes through the run_config role (tests/playbooks/render_run.yml, as train.yml does);
+parsing runs in the training venv (scripts/setup-train-venv.sh; LLAMA_CLUSTER_TRAIN_PYTHON)
+with LLaMA-Factory's get_train_args, DeepSpeed's DeepSpeedConfig and accelerate's config loader.
+"""
+
+from __future__ import annotations
+
+import grp
+import json
+import os
+import pwd
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN_PYTHON = Path(
+    os.environ.get("LLAMA_CLUSTER_TRAIN_PYTHON", "/var/cache/llama-cluster/venv-train/bin/python")
+)
+MODELS = sorted(
+    yaml.safe_load((ROOT / "group_vars/all/models.yml").read_text())["models_catalogue"]
+)
+STAGES = ["none", "zero0", "zero2", "zero3", "zero3_offload", "fsdp"]
+ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
+
+# Two GPU nodes of 8 processes each; only the controller and n1 are used (ansible_connection=local).
+GPU_INVENTORY = """
+all:
+  children:
+    cluster:
+      children:
+        master:
+          hosts:
+            n1: &node {ansible_connection: local, ansible_python_interpreter: %(python)s,
+                       cluster_accelerator: nvidia, nproc_per_node: 8, cluster_address: 10.0.0.1,
+                       cluster_user: %(user)s, cluster_group: %(group)s}
+        workers:
+          hosts:
+            n2: *node
+"""
+
+
+def _inventory(tmp: Path) -> Path:
+    path = tmp / "inventory.yml"
+    path.write_text(
+        GPU_INVENTORY
+        % {
+            "python": sys.executable,
+            "user": pwd.getpwuid(os.getuid()).pw_name,
+            "group": grp.getgrgid(os.getgid()).gr_name,
+        }
+    )
+    return path
+
+
+def _render(inventory: Path, out: Path, model: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [
+            str(ANSIBLE_PLAYBOOK),
+            "-i",
+            str(inventory),
+            "-l",
+            "localhost,n1",
+            "tests/playbooks/render_run.yml",
+            "-e",
+            f"model={model}",
+            "-e",
+            f"render_root={out / model}",
+            "-e",
+            json.dumps({"stages": STAGES}),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="session")
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
+    """Render every model x stage; return the run directory of each."""
+    tmp = tmp_path_factory.mktemp("render")
+    inventory = _inventory(tmp)
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        results = dict(
+            zip(MODELS, pool.map(lambda m: _render(inventory, tmp, m), MODELS), strict=True)
+        )
+    runs = {}
+    for model, done in results.items():
+        assert done.returncode == 0, f"rendering {model} failed:\n{done.stdout[-3000:]}"
+        for stage in STAGES:
+            (run,) = (tmp / model / stage / "n1").glob("train-*")
+            runs[(model, stage)] = run
+    return runs
+
+
+@pytest.fixture(scope="session")
+def verdicts(rendered: dict[tuple[str, str], Path]) -> dict[str, dict[str, str]]:
+    """Parse every rendered run directory in the training venv, in one process."""
+    if not TRAIN_PYTHON.exists():
+        pytest.skip(f"no training venv at {TRAIN_PYTHON}: run scripts/setup-train-venv.sh")
+    done = subprocess.run(
+        [str(TRAIN_PYTHON), str(ROOT / "tests/parse_configs.py"), *map(str, rendered.values())],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "MASTER_PORT": "29598"},
+    )
+    lines = [x for x in done.stdout.splitlines() if x.startswith("VERDICTS ")]
+    assert lines, f"the parser did not run:\n{done.stderr[-3000:]}"
+    return json.loads(lines[-1].removeprefix("VERDICTS "))
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("model", MODELS)
+def test_rendered_configs_are_accepted_by_llamafactory_deepspeed_and_accelerate(
+    rendered: dict, verdicts: dict, model: str, stage: str
+) -> None:
+    verdict = verdicts[str(rendered[(model, stage)])]
+    assert verdict["train.yaml"] == "ok"
+    assert verdict["accelerate.yaml"].startswith("ok")
+    if stage.startswith("zero"):
+        expected = {"zero0": 0, "zero2": 2}.get(stage, 3)
+        assert verdict["ds_config.json"] == f"ok stage {expected}"
+    else:
+        assert "ds_config.json" not in verdict
+    if stage == "fsdp":
+        assert verdict["fsdp_config.json"] == "ok full_shard,auto_wrap"
+        assert "FSDP" in verdict["accelerate.yaml"]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_train_yaml_reads_like_a_hand_written_file(rendered: dict, model: str) -> None:
+    text = (rendered[(model, "zero2")] / "train.yaml").read_text()
+    assert text.startswith("#\n# Ansible managed")
+    for section in ("### model", "### method", "### dataset", "### output", "### train"):
+        assert section in text
+    config = yaml.safe_load(text)
+    assert config["output_dir"].startswith(str(rendered[(model, "zero2")]))
+    assert config["deepspeed"] == str(rendered[(model, "zero2")] / "ds_config.json")
+    assert config["overwrite_output_dir"] is False
+    assert config["save_on_each_node"] is True
+    if config["finetuning_type"] != "lora":
+        assert not any(key.startswith("lora_") for key in config), "LoRA keys in a non-LoRA run"
+
+
+def test_dataset_info_registers_both_demo_formats(rendered: dict) -> None:
+    info = json.loads((rendered[("tiny", "none")] / "data/dataset_info.json").read_text())
+    assert info == {"demo_alpaca": {"file_name": "demo_alpaca.json", "formatting": "alpaca"}}
+    assert (rendered[("tiny", "none")] / "data/demo_alpaca.json").is_file()
+
+
+def test_accelerate_config_gives_each_node_its_rank(rendered: dict) -> None:
+    config = yaml.safe_load((rendered[("qwen-7b", "fsdp")] / "accelerate.yaml").read_text())
+    assert config["machine_rank"] == 0
+    assert config["num_machines"] == 2
+    assert config["num_processes"] == 16
+    assert config["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] == "QWenBlock"
