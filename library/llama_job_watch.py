@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import socket
 import subprocess
 import time
@@ -29,11 +30,18 @@ options:
     type: str
     required: true
   unit:
-    description: This node's systemd unit.
+    description: This node's systemd unit, or its state file when O(supervisor=process).
     type: str
     required: true
+  supervisor:
+    description: How the job is supervised on every node.
+    type: str
+    choices: [systemd, process]
+    default: systemd
   peers:
-    description: The other nodes, each with C(host) (inventory name), C(address) and C(unit).
+    description:
+      - The other nodes, each with C(host) (inventory name), C(address) and C(unit).
+      - A peer whose C(address) is a loopback address shares this machine and is read locally.
     type: list
     elements: dict
     default: []
@@ -118,15 +126,62 @@ def show_command(unit: str) -> list[str]:
     return ["systemctl", "show", unit, "--no-pager", "--timestamp=us+utc", *props]
 
 
-def local_state(unit: str) -> dict[str, Any]:
-    """State of the unit on this node."""
-    out = subprocess.run(show_command(unit), capture_output=True, text=True, check=False)
-    props = parse_show(out.stdout)
+# Reads a llama-supervise state file and notices a supervisor that died without a word.
+PROCESS_PROBE = """
+import json, os, sys
+try:
+    state = json.load(open(sys.argv[1]))
+except (OSError, ValueError):
+    state = {}
+if state.get("state") == "running" and not os.path.exists("/proc/%d" % state["pid"]):
+    state.update(state="failed", error="its supervisor vanished")
+print(json.dumps(state))
+"""
+
+
+def probe_command(unit: str, supervisor: str) -> list[str]:
+    """The read-only command that reports a job's state on a node."""
+    if supervisor == "process":
+        return ["python3", "-c", PROCESS_PROBE, unit]
+    return show_command(unit)
+
+
+def interpret(stdout: str, supervisor: str) -> dict[str, Any]:
+    """One node's state from its probe's output."""
+    if supervisor == "process":
+        try:
+            info = json.loads(stdout or "{}")
+        except ValueError:
+            info = {}
+        result = {"state": info.get("state", "missing")}
+        if "exit_status" in info:
+            result["ExecMainStatus"] = str(info["exit_status"])
+        if "ended" in info:
+            result["ExecMainExitTimestamp"] = info["ended"]
+        if "error" in info:
+            result["error"] = info["error"]
+        return result
+    props = parse_show(stdout)
     return {"state": classify(props), **props}
 
 
-def peer_state(peer: dict[str, Any], ssh_timeout: int) -> dict[str, Any]:
-    """State of a peer's unit, read over the cluster SSH mesh."""
+def local_state(unit: str, supervisor: str) -> dict[str, Any]:
+    """State of the job on this node."""
+    out = subprocess.run(
+        probe_command(unit, supervisor), capture_output=True, text=True, check=False
+    )
+    return interpret(out.stdout, supervisor)
+
+
+def is_loopback(address: str) -> bool:
+    """True for 127.0.0.0/8 and ::1: a logical node on this very machine."""
+    return address.startswith("127.") or address in {"::1", "localhost"}
+
+
+def peer_state(peer: dict[str, Any], ssh_timeout: int, supervisor: str) -> dict[str, Any]:
+    """State of a peer's job, read over the cluster SSH mesh."""
+    if is_loopback(peer["address"]):
+        return local_state(peer["unit"], supervisor)
     ssh = [
         "ssh",
         "-o",
@@ -145,7 +200,7 @@ def peer_state(peer: dict[str, Any], ssh_timeout: int) -> dict[str, Any]:
         "ControlPersist=120",
         peer["address"],
         "--",
-        *show_command(peer["unit"]),
+        *(shlex.quote(arg) for arg in probe_command(peer["unit"], supervisor)),
     ]
     try:
         out = subprocess.run(
@@ -155,8 +210,7 @@ def peer_state(peer: dict[str, Any], ssh_timeout: int) -> dict[str, Any]:
         return {"state": "unreachable", "error": "ssh timed out"}
     if out.returncode != 0:
         return {"state": "unreachable", "error": out.stderr.strip()[-300:]}
-    props = parse_show(out.stdout)
-    return {"state": classify(props), **props}
+    return interpret(out.stdout, supervisor)
 
 
 def exit_order(state: dict[str, Any]) -> str:
@@ -218,9 +272,10 @@ def describe(record: dict[str, Any]) -> str:
 def look(module: AnsibleModule, pool: ThreadPoolExecutor) -> dict[str, dict[str, Any]]:
     """The state of every node's unit, this one included."""
     params = module.params
-    states = {params["host"]: local_state(params["unit"])}
+    supervisor = params["supervisor"]
+    states = {params["host"]: local_state(params["unit"], supervisor)}
     futures = {
-        peer["host"]: pool.submit(peer_state, peer, params["ssh_timeout"])
+        peer["host"]: pool.submit(peer_state, peer, params["ssh_timeout"], supervisor)
         for peer in params["peers"]
     }
     for host, future in futures.items():
@@ -234,6 +289,11 @@ def main() -> None:
         argument_spec={
             "host": {"type": "str", "required": True},
             "unit": {"type": "str", "required": True},
+            "supervisor": {
+                "type": "str",
+                "choices": ["systemd", "process"],
+                "default": "systemd",
+            },
             "peers": {"type": "list", "elements": "dict", "default": []},
             "wait_port": {"type": "int"},
             "progress_file": {"type": "path"},
@@ -249,7 +309,7 @@ def main() -> None:
     with ThreadPoolExecutor(max_workers=min(16, len(params["peers"]) + 1)) as pool:
         while True:
             if wait_port is not None:
-                states = {params["host"]: local_state(params["unit"])}
+                states = {params["host"]: local_state(params["unit"], params["supervisor"])}
                 listening = port_listens(wait_port)
             else:
                 states = look(module, pool)
