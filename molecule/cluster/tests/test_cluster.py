@@ -1,0 +1,320 @@
+"""Verify the cluster scenario: real sshd, real ufw, real TCP, the real check playbook.
+
+Runs under `molecule verify -s cluster` (or by hand after `molecule converge -s cluster`).
+Nodes are reached with the docker connection; the SSH mesh itself is exercised with ssh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import testinfra
+
+NODES = ["mol-cluster-node1", "mol-cluster-node2", "mol-cluster-node3"]
+MASTER, WORKERS = NODES[0], NODES[1:]
+OUTSIDER = "mol-cluster-outsider"
+USER = "llama"
+KEY = f"/home/{USER}/.ssh/id_ed25519_llama_cluster"
+MASTER_PORT = 29500
+PROJECT = Path(__file__).resolve().parents[3]
+SSH_STRICT = (
+    f"ssh -F none -i {KEY} -o IdentitiesOnly=yes -o BatchMode=yes "
+    "-o StrictHostKeyChecking=yes -o ConnectTimeout=5"
+)
+
+
+def node(name: str) -> testinfra.host.Host:
+    return testinfra.get_host(f"docker://{name}")
+
+
+def address(name: str) -> str:
+    return node(name).interface("eth0").addresses[0]
+
+
+def as_user(name: str, command: str) -> testinfra.backend.base.CommandResult:
+    return node(name).run("runuser -u %s -- sh -c %s", USER, command)
+
+
+def playbook(path: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    """Run a project playbook against the scenario's inventory, as molecule would."""
+    inventory = os.environ.get("MOLECULE_INVENTORY_FILE")
+    if not inventory:
+        pytest.skip("MOLECULE_INVENTORY_FILE is not set: run through `molecule verify -s cluster`")
+    env = dict(os.environ)
+    ephemeral = os.environ.get("MOLECULE_EPHEMERAL_DIRECTORY")
+    if ephemeral and "ANSIBLE_CONFIG" not in env:
+        env["ANSIBLE_CONFIG"] = f"{ephemeral}/ansible.cfg"
+    for variable, folder in {
+        "ANSIBLE_ROLES_PATH": "roles",
+        "ANSIBLE_COLLECTIONS_PATH": "collections",
+        "ANSIBLE_LIBRARY": "library",
+        "ANSIBLE_MODULE_UTILS": "module_utils",
+        "ANSIBLE_CALLBACK_PLUGINS": "plugins/callback",
+        "ANSIBLE_FILTER_PLUGINS": "plugins/filter",
+    }.items():
+        env.setdefault(variable, str(PROJECT / folder))
+    env["ANSIBLE_PIPELINING"] = "true"
+    env["ANSIBLE_NOCOLOR"] = "1"
+    return subprocess.run(
+        ["ansible-playbook", "-i", inventory, str(PROJECT / path), *extra],
+        capture_output=True,
+        text=True,
+        cwd=PROJECT,
+        env=env,
+        timeout=600,
+        check=False,
+    )
+
+
+def said(result: subprocess.CompletedProcess[str]) -> str:
+    """The playbook's output (failures go to stderr), with the YAML callback's wrapping undone."""
+    return " ".join((result.stdout + result.stderr).split())
+
+
+def stack_present() -> bool:
+    """True when provision.yml ran: every node has the provisioning facts and torchrun."""
+    return all(
+        node(name).file("/etc/ansible/facts.d/llama_stack.fact").exists
+        and node(name).file("/opt/llama-cluster/env/bin/torchrun").exists
+        for name in NODES
+    )
+
+
+def test_every_node_resolves_every_other_by_inventory_name() -> None:
+    addresses = {name: address(name) for name in NODES}
+    for source in NODES:
+        hosts = node(source).file("/etc/hosts").content_string
+        for target, ip in addresses.items():
+            assert f"{ip} {target}\n" in hosts
+            assert node(source).check_output("getent hosts %s", target).split()[0] == ip
+
+
+def test_ssh_by_name_every_direction_with_the_cluster_key_only() -> None:
+    for source in NODES:
+        for target in NODES:
+            if source == target:
+                continue
+            result = as_user(source, f"{SSH_STRICT} {target} hostname")
+            assert result.rc == 0, f"{source} -> {target}: {result.stderr}"
+            assert result.stdout.strip() == target
+
+
+def test_ssh_by_cluster_address_with_the_default_client_config() -> None:
+    # No options: ~/.ssh/config picks the cluster key and strict host key checking.
+    for source in NODES:
+        for target in NODES:
+            if source != target:
+                result = as_user(source, f"ssh -o BatchMode=yes {address(target)} hostname")
+                assert result.rc == 0, f"{source} -> {target}: {result.stderr}"
+
+
+def test_ssh_without_the_cluster_key_is_refused() -> None:
+    # The mesh rests on the key: without it there is no other way in.
+    result = as_user(
+        WORKERS[0],
+        f"ssh -F none -o IdentitiesOnly=yes -o IdentityFile=/dev/null -o BatchMode=yes "
+        f"-o StrictHostKeyChecking=yes {MASTER} true",
+    )
+    assert result.rc == 255
+    assert "Permission denied" in result.stderr
+
+
+def test_an_unknown_host_key_is_rejected() -> None:
+    # known_hosts holds the real keys: a node presenting another key is refused, not trusted.
+    result = as_user(
+        WORKERS[0],
+        f"{SSH_STRICT} -o UserKnownHostsFile=/dev/null {MASTER} true",
+    )
+    assert result.rc == 255
+    assert "Host key verification failed" in result.stderr
+
+
+def test_key_files_have_strict_permissions() -> None:
+    for name in NODES:
+        host = node(name)
+        expected = {
+            f"/home/{USER}/.ssh": 0o700,
+            KEY: 0o600,
+            f"/home/{USER}/.ssh/authorized_keys": 0o600,
+            f"/home/{USER}/.ssh/config": 0o600,
+        }
+        for path, mode in expected.items():
+            file = host.file(path)
+            assert file.user == USER
+            assert file.mode == mode, f"{name}:{path} is {oct(file.mode)}"
+
+
+def test_known_hosts_holds_each_nodes_own_host_key() -> None:
+    for target in NODES:
+        real = node(target).file("/etc/ssh/ssh_host_ed25519_key.pub").content_string.split()[:2]
+        for source in NODES:
+            known = node(source).file(f"/home/{USER}/.ssh/known_hosts").content_string
+            assert f"{target},{address(target)} {' '.join(real)}" in known
+
+
+def test_sshd_settings_are_untouched() -> None:
+    for name in NODES:
+        host = node(name)
+        assert not host.file("/etc/ssh/sshd_config.d").listdir()
+        settings = host.check_output("sshd -T")
+        assert "pubkeyauthentication yes" in settings
+        assert "permitrootlogin without-password" in settings
+
+
+def test_ufw_denies_by_default_and_opens_training_ports_to_cluster_nodes_only() -> None:
+    addresses = [address(name) for name in NODES]
+    for name in NODES:
+        status = node(name).check_output("ufw status verbose")
+        assert "Status: active" in status
+        assert "Default: deny (incoming), allow (outgoing)" in status
+        rules = [line.split() for line in status.splitlines()]
+        for port in (str(MASTER_PORT) + "/tcp", "40000:40999/tcp"):
+            sources = {rule[3] for rule in rules if rule[:3] == [port, "ALLOW", "IN"]}
+            assert sources == set(addresses), f"{name} {port}: {sources}"
+        ssh_rule = next(rule[:4] for rule in rules if rule[:1] == ["22/tcp"])
+        assert ssh_rule == ["22/tcp", "ALLOW", "IN", "Anywhere"]
+
+
+@pytest.fixture
+def master_listener() -> Iterator[None]:
+    """A real listener on the master port of the master for the duration of a test."""
+    host = node(MASTER)
+    host.check_output(
+        "systemd-run --collect --unit=mol-cluster-listener --property=RuntimeMaxSec=120"
+        " python3 -c %s",
+        "import socket,time\n"
+        "s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+        f"s.bind(('0.0.0.0', {MASTER_PORT})); s.listen(8)\n"
+        "while True: s.accept()[0].close()\n",
+    )
+    host.run(f"timeout 10 sh -c 'until ss -ltn | grep -q :{MASTER_PORT}; do sleep 0.2; done'")
+    yield
+    host.run("systemctl stop mol-cluster-listener")
+
+
+def connects(source: str, target_ip: str, port: int) -> bool:
+    probe = (
+        "import socket,sys\n"
+        f"try: socket.create_connection(('{target_ip}', {port}), timeout=4).close()\n"
+        "except OSError as e: sys.exit(str(e))\n"
+    )
+    return node(source).run("python3 -c %s", probe).rc == 0
+
+
+@pytest.mark.usefixtures("master_listener")
+def test_master_port_is_open_to_cluster_nodes_and_closed_to_an_outsider() -> None:
+    master_ip = address(MASTER)
+    for worker in WORKERS:
+        assert connects(worker, master_ip, MASTER_PORT)
+    # Same Docker network but not a cluster node: ufw drops it, while SSH answers (the path works).
+    assert connects(OUTSIDER, master_ip, 22)
+    assert not connects(OUTSIDER, master_ip, MASTER_PORT)
+
+
+def test_nccl_interface_fact_points_at_the_route_to_the_master() -> None:
+    for name in NODES:
+        fact = json.loads(node(name).file("/etc/ansible/facts.d/llama_network.fact").content_string)
+        assert fact["ifname"] == "eth0"
+        assert fact["address"] == address(name)
+        assert fact["master_address"] == address(MASTER)
+
+
+def test_check_reachability_passes() -> None:
+    result = playbook("playbooks/check.yml", "-e", '{"preflight_checks": ["reachability"]}')
+    assert result.returncode == 0, result.stdout[-3000:]
+
+
+def test_check_fails_naming_the_worker_when_the_master_port_is_blocked() -> None:
+    master, blocked = node(MASTER), WORKERS[1]
+    rule = f"from {address(blocked)} to any port {MASTER_PORT} proto tcp"
+    master.check_output(f"ufw delete allow {rule}")
+    try:
+        result = playbook("playbooks/check.yml", "-e", '{"preflight_checks": ["reachability"]}')
+    finally:
+        master.check_output(f"ufw allow {rule} comment 'llama-cluster master port'")
+    assert result.returncode != 0
+    assert f"{blocked} cannot open a TCP connection to the master {MASTER}" in said(result)
+    assert WORKERS[0] + " cannot" not in said(result)
+
+
+def test_check_fails_naming_the_pair_when_a_node_lost_the_cluster_key() -> None:
+    lost = WORKERS[0]
+    node(lost).check_output(f"mv {KEY} {KEY}.away")
+    try:
+        result = playbook("playbooks/check.yml", "-e", '{"preflight_checks": ["reachability"]}')
+    finally:
+        node(lost).check_output(f"mv {KEY}.away {KEY}")
+    assert result.returncode != 0
+    for target in (MASTER, WORKERS[1]):
+        assert f"{lost} -> {target}" in said(result)
+    assert f"{MASTER} -> {lost}" not in said(result)
+
+
+@pytest.mark.skipif("stack_present()", reason="the provisioning facts exist")
+def test_check_without_provisioning_says_run_provision_first() -> None:
+    result = playbook("playbooks/check.yml", "-e", '{"preflight_checks": ["consistency"]}')
+    assert result.returncode != 0
+    assert "run provision.yml first" in said(result)
+
+
+FACTS = {
+    "llama_host": {"os": "Debian 12", "driver": "", "gpu_count": 0, "gpus": []},
+    "llama_stack": {
+        "python": "3.11.2",
+        "torch": "2.11.0",
+        "torchaudio": "2.11.0",
+        "torchvision": "0.26.0",
+        "transformers": "5.6.0",
+        "llamafactory": "0.9.5",
+        "deepspeed": "0.19.8",
+        "accelerate": "1.11.0",
+        "peft": "0.18.1",
+        "torch_cuda": None,
+        "nccl": None,
+    },
+}
+
+
+@pytest.fixture
+def provisioning_facts() -> Iterator[None]:
+    """The local facts provision.yml writes (host_facts, llamafactory), as plain fact files."""
+    for name in NODES:
+        for fact, content in FACTS.items():
+            node(name).check_output(
+                "printf '%%s' %s > /etc/ansible/facts.d/%s.fact", json.dumps(content), fact
+            )
+    yield
+    for name in NODES:
+        for fact in FACTS:
+            node(name).run("rm -f /etc/ansible/facts.d/%s.fact", fact)
+
+
+@pytest.mark.skipif("stack_present()", reason="real provisioning facts exist; not overwritten")
+@pytest.mark.usefixtures("provisioning_facts")
+def test_check_consistency_table_then_names_the_node_with_another_torch() -> None:
+    passed = playbook("playbooks/check.yml", "-e", '{"preflight_checks": ["consistency"]}')
+    assert passed.returncode == 0, passed.stdout[-3000:]
+    assert "torchaudio" in passed.stdout
+    assert "2.11.0" in passed.stdout
+
+    odd = NODES[2]
+    stack = dict(FACTS["llama_stack"], torch="2.10.0")
+    node(odd).check_output(
+        "printf '%%s' %s > /etc/ansible/facts.d/llama_stack.fact", json.dumps(stack)
+    )
+    failed = playbook("playbooks/check.yml", "-e", '{"preflight_checks": ["consistency"]}')
+    assert failed.returncode != 0
+    assert f"{odd}: torch is 2.10.0, but 2.11.0 on {NODES[0]}, {NODES[1]}" in said(failed)
+
+
+@pytest.mark.skipif("not stack_present()", reason="needs provision.yml in converge (torch stack)")
+def test_full_check_passes_with_allreduce() -> None:
+    result = playbook("playbooks/check.yml")
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "all-reduce ok" in result.stdout
+    assert "bus bandwidth" in result.stdout
