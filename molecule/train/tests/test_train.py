@@ -193,3 +193,52 @@ def test_resume_continues_from_the_checkpoint_step() -> None:
         f"(after checkpoint-{steps[-1]})"
     )
     assert resumed[-1]["current_steps"] == resumed[-1]["total_steps"]
+
+
+def _playbook(playbook: str, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["ansible-playbook", "-i", _inventory(), playbook, *extra],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=_env(),
+        check=False,
+        timeout=900,
+    )
+
+
+def test_export_merges_the_lora_adapter_into_the_base_model() -> None:
+    run_id = _state.get("first")
+    if not run_id:
+        pytest.skip("the first run did not complete")
+    done = _playbook("playbooks/export.yml", "-e", f"run_id={run_id}")
+    assert done.returncode == 0, done.stdout[-4000:]
+    merged = _node(NODES[0], f"ls {RUNS}/{run_id}/merged")
+    assert "model.safetensors" in merged
+    assert "tokenizer.json" in merged
+    again = _playbook("playbooks/export.yml", "-e", f"run_id={run_id}")
+    assert again.returncode == 0
+    assert "changed=0" in again.stdout, "a second export changed something"
+
+
+def test_detached_run_is_followed_logged_and_stopped() -> None:
+    started = _playbook(
+        "train.yml", "-e", "model=tiny", "-e", "detach=true", "-e", json.dumps(LONG_RUN)
+    )
+    assert started.returncode == 0, started.stdout[-4000:]
+    run_id = _run_id(started.stdout)
+    assert "Follow it: ansible-playbook playbooks/status.yml" in started.stdout
+    refused = _playbook("train.yml", "-e", "model=tiny")
+    assert refused.returncode != 0
+    assert "One run at a time" in refused.stdout
+    status = _playbook("playbooks/status.yml")
+    assert status.returncode == 0
+    assert run_id in status.stdout
+    assert "running" in status.stdout
+    logs = _playbook("playbooks/logs.yml")
+    assert logs.returncode == 0
+    assert (ROOT / "runs" / run_id / "logs" / f"{NODES[1]}.log").is_file()
+    stopped = _playbook("playbooks/stop.yml")
+    assert stopped.returncode == 0, stopped.stdout[-4000:]
+    assert _any_training_process() == {}
+    assert "adapter" not in _node(NODES[0], f"ls {RUNS}/{run_id}/output"), "it finished too soon"

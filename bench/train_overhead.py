@@ -1,0 +1,169 @@
+"""Launch overhead of train.yml, and the tiny run via train.yml vs the same run started by hand.
+
+Measures, on a 2-node lab whose nodes are Docker containers (the lab or molecule/train):
+  1. launch overhead: from `ansible-playbook train.yml` starting to every rank having joined the
+     process group (LLaMA-Factory's "world size: N" line in each node's log);
+  2. the whole tiny run via train.yml (validation, render, launch, watch, fetch, summary);
+  3. the same training started by hand on the same nodes: the run directory train.yml rendered,
+     copied, and `llamafactory-cli train` started on every node at once with the launcher's
+     environment (as two terminals would), timed until every node's command exits.
+Prints a Markdown table and writes it to bench/results/train_overhead.md.
+
+    python bench/train_overhead.py -i <inventory> [--nodes node1,node2] [--repeat 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = "/opt/llama-cluster/runs"
+ENV_BIN = "/opt/llama-cluster/env/bin"
+
+
+@dataclass
+class Timing:
+    """One train.yml run: seconds to all ranks joined, and to the play's end."""
+
+    run_id: str
+    joined_s: float
+    total_s: float
+
+
+def node(name: str, command: str, check: bool = False) -> str:
+    """Run a shell command in a node container and return its stdout."""
+    done = subprocess.run(
+        ["docker", "exec", name, "sh", "-c", command], capture_output=True, text=True, check=check
+    )
+    return done.stdout
+
+
+def via_playbook(inventory: str, nodes: list[str]) -> Timing:
+    """Time train.yml -e model=tiny: to all ranks joined, and to the end of the play."""
+    before = set(node(nodes[0], f"ls {RUNS}").split())
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        [
+            str(Path(sys.executable).with_name("ansible-playbook")),
+            "-i",
+            inventory,
+            "train.yml",
+            "-e",
+            "model=tiny",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    joined = 0.0
+    run_id = ""
+    while proc.poll() is None:
+        if not run_id:
+            fresh = sorted(set(node(nodes[0], f"ls {RUNS}").split()) - before)
+            run_id = fresh[-1] if fresh else ""
+        elif not joined:
+            logs = [node(n, f"cat {RUNS}/{run_id}/logs/{n}.log 2>/dev/null") for n in nodes]
+            if all(re.search(r"world size: \d+", log) for log in logs):
+                joined = time.monotonic() - started
+        time.sleep(0.5)
+    total = time.monotonic() - started
+    output = proc.stdout.read() if proc.stdout else ""
+    if proc.returncode != 0:
+        sys.exit(f"train.yml failed:\n{output[-3000:]}")
+    return Timing(run_id, joined, total)
+
+
+def by_hand(run_id: str, nodes: list[str], master_addr: str, port: int = 29501) -> float:
+    """Run the same training by hand on every node at once; seconds until all have exited."""
+    copy = f"{RUNS}/byhand-{run_id}"
+    for name in nodes:
+        node(
+            name,
+            f"rm -rf {copy} && mkdir -p {copy}/output && cp -r {RUNS}/{run_id}/data {copy}/ && "
+            f"sed 's#{RUNS}/{run_id}#{copy}#g' {RUNS}/{run_id}/train.yaml > {copy}/train.yaml && "
+            f"chown -R llama: {copy}",
+            check=True,
+        )
+    started = time.monotonic()
+    procs = [
+        subprocess.Popen(
+            [
+                "docker",
+                "exec",
+                "-u",
+                "llama",
+                "-w",
+                copy,
+                name,
+                "env",
+                "FORCE_TORCHRUN=1",
+                f"NNODES={len(nodes)}",
+                f"NODE_RANK={rank}",
+                "NPROC_PER_NODE=1",
+                f"MASTER_ADDR={master_addr}",
+                f"MASTER_PORT={port}",
+                f"PATH={ENV_BIN}:/usr/bin:/bin",
+                f"{ENV_BIN}/llamafactory-cli",
+                "train",
+                f"{copy}/train.yaml",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for rank, name in enumerate(nodes)
+    ]
+    codes = [p.wait() for p in procs]
+    elapsed = time.monotonic() - started
+    for name in nodes:
+        node(name, f"rm -rf {copy}")
+    if any(codes):
+        sys.exit(f"the run by hand failed: exit codes {codes}")
+    return elapsed
+
+
+def main() -> None:
+    """Measure and print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-i", "--inventory", default=str(ROOT / "inventory/lab.yml"))
+    parser.add_argument("--nodes", default="llama-lab-node1,llama-lab-node2")
+    parser.add_argument("--repeat", type=int, default=1)
+    args = parser.parse_args()
+    nodes = args.nodes.split(",")
+    master_addr = node(nodes[0], "hostname -I").split()[0]
+
+    rows = []
+    for _ in range(args.repeat):
+        timing = via_playbook(args.inventory, nodes)
+        hand = by_hand(timing.run_id, nodes, master_addr)
+        rows.append((timing, hand))
+        print(
+            f"{timing.run_id}: joined {timing.joined_s:.1f} s, play {timing.total_s:.1f} s, "
+            f"by hand {hand:.1f} s",
+            flush=True,
+        )
+
+    table = [
+        "| run | train.yml start -> all ranks joined (s) | whole run via train.yml (s) "
+        "| same run by hand (s) | train.yml overhead (s) |",
+        "|---|---|---|---|---|",
+    ]
+    table += [
+        f"| {t.run_id} | {t.joined_s:.1f} | {t.total_s:.1f} | {h:.1f} | {t.total_s - h:.1f} |"
+        for t, h in rows
+    ]
+    text = "\n".join(table) + "\n"
+    print(text)
+    out = ROOT / "bench/results/train_overhead.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(f"Nodes: {', '.join(nodes)} (inventory {args.inventory})\n\n{text}")
+
+
+if __name__ == "__main__":
+    main()
