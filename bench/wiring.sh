@@ -22,7 +22,13 @@ lab() {
   ansible-playbook playbooks/lab.yml -e "lab_cluster_name=$name" \
     -e "lab_cluster_state_dir=$work/state" -e "lab_cluster_inventory_path=$work/inventory.yml" "$@"
 }
-cleanup() { lab -e lab_state=absent >"$work/lab-down.log" 2>&1 || true; }
+# lab_state=absent finds the containers by a label that roles/lab_cluster does not set (its key
+# is written untemplated), so this lab's own containers are also removed by name.
+cleanup() {
+  lab -e lab_state=absent >"$work/lab-down.log" 2>&1 || true
+  docker ps -aq --filter "name=^${name}-node[0-9]+$" | xargs -r docker rm -f >/dev/null
+  docker network rm "$name" >/dev/null 2>&1 || true
+}
 trap cleanup EXIT
 
 # Runs a playbook, prints "seconds changed-total" and keeps its log.

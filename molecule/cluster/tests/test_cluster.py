@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,7 @@ OUTSIDER = "mol-cluster-outsider"
 USER = "llama"
 KEY = f"/home/{USER}/.ssh/id_ed25519_llama_cluster"
 MASTER_PORT = 29500
+TRAINING_PORTS = f"{MASTER_PORT},40000:40999"
 PROJECT = Path(__file__).resolve().parents[3]
 SSH_STRICT = (
     f"ssh -F none -i {KEY} -o IdentitiesOnly=yes -o BatchMode=yes "
@@ -173,9 +175,14 @@ def test_ufw_denies_by_default_and_opens_training_ports_to_cluster_nodes_only() 
         assert "Status: active" in status
         assert "Default: deny (incoming), allow (outgoing)" in status
         rules = [line.split() for line in status.splitlines()]
-        for port in (str(MASTER_PORT) + "/tcp", "40000:40999/tcp"):
-            sources = {rule[3] for rule in rules if rule[:3] == [port, "ALLOW", "IN"]}
-            assert sources == set(addresses), f"{name} {port}: {sources}"
+        # Master port and NCCL range, only from the nodes: one multiport rule per node.
+        sources = {
+            rule[3] for rule in rules if rule[:3] == [TRAINING_PORTS + "/tcp", "ALLOW", "IN"]
+        }
+        assert sources == set(addresses), f"{name}: {sources}"
+        assert not [
+            rule for rule in rules if rule[:1] == [TRAINING_PORTS + "/tcp"] and "Anywhere" in rule
+        ]
         ssh_rule = next(rule[:4] for rule in rules if rule[:1] == ["22/tcp"])
         assert ssh_rule == ["22/tcp", "ALLOW", "IN", "Anywhere"]
 
@@ -231,12 +238,12 @@ def test_check_reachability_passes() -> None:
 
 def test_check_fails_naming_the_worker_when_the_master_port_is_blocked() -> None:
     master, blocked = node(MASTER), WORKERS[1]
-    rule = f"from {address(blocked)} to any port {MASTER_PORT} proto tcp"
+    rule = f"from {address(blocked)} to any port {TRAINING_PORTS} proto tcp"
     master.check_output(f"ufw delete allow {rule}")
     try:
         result = playbook("playbooks/check.yml", "-e", '{"preflight_checks": ["reachability"]}')
     finally:
-        master.check_output(f"ufw allow {rule} comment 'llama-cluster master port'")
+        master.check_output(f"ufw allow {rule} comment 'llama-cluster training ports'")
     assert result.returncode != 0
     assert f"{blocked} cannot open a TCP connection to the master {MASTER}" in said(result)
     assert WORKERS[0] + " cannot" not in said(result)
@@ -318,3 +325,26 @@ def test_full_check_passes_with_allreduce() -> None:
     assert result.returncode == 0, result.stdout[-3000:]
     assert "all-reduce ok" in result.stdout
     assert "bus bandwidth" in result.stdout
+
+
+def test_bad_input_fails_before_any_node_is_changed() -> None:
+    inverted = '{"nccl_port_range_start": 41000, "nccl_port_range_end": 40000}'
+    result = playbook("playbooks/wiring.yml", "-e", inverted)
+    assert result.returncode != 0
+    assert "nccl_port_range_start (>= 1024) <= nccl_port_range_end" in said(result)
+    assert "changed=0" in result.stdout
+    assert not re.search(r"changed=[1-9]", result.stdout)
+
+
+def test_firewall_disabled_switches_ufw_off_and_enabling_restores_it() -> None:
+    disabled = '{"firewall_enabled": false}'
+    off = playbook("playbooks/wiring.yml", "--tags", "firewall", "-e", disabled)
+    try:
+        assert off.returncode == 0, said(off)[-3000:]
+        for name in NODES:
+            assert "Status: inactive" in node(name).check_output("ufw status")
+    finally:
+        on = playbook("playbooks/wiring.yml", "--tags", "firewall")
+    assert on.returncode == 0, said(on)[-3000:]
+    for name in NODES:
+        assert "Status: active" in node(name).check_output("ufw status")
