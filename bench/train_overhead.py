@@ -7,7 +7,7 @@ Measures, on a 2-node lab whose nodes are Docker containers (the lab or molecule
   3. the same training started by hand on the same nodes: the run directory train.yml rendered,
      copied, and `llamafactory-cli train` started on every node at once with the launcher's
      environment (as two terminals would), timed until every node's command exits.
-Prints a Markdown table and writes it to bench/results/train_overhead.md.
+Prints a Markdown table and writes it to bench/train_overhead.md.
 
     python bench/train_overhead.py -i <inventory> [--nodes node1,node2] [--repeat 1]
 """
@@ -80,7 +80,7 @@ def via_playbook(inventory: str, nodes: list[str]) -> Timing:
     return Timing(run_id, joined, total)
 
 
-def by_hand(run_id: str, nodes: list[str], master_addr: str, port: int = 29501) -> float:
+def by_hand(run_id: str, nodes: list[str], master_addr: str, port: int = 29500) -> float:
     """Run the same training by hand on every node at once; seconds until all have exited."""
     copy = f"{RUNS}/byhand-{run_id}"
     for name in nodes:
@@ -160,7 +160,7 @@ def main() -> None:
     ]
     text = "\n".join(table) + "\n"
     print(text)
-    out = ROOT / "bench/results/train_overhead.md"
+    out = ROOT / "bench/train_overhead.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(f"Nodes: {', '.join(nodes)} (inventory {args.inventory})\n\n{text}")
 
