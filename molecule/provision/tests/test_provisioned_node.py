@@ -24,7 +24,8 @@ def test_pinned_torch_trio_imports(host: Host) -> None:
         f"{BIN}/python -c 'import torch, torchvision, torchaudio;"
         " print(torch.__version__, torchvision.__version__, torchaudio.__version__)'",
     )
-    assert out.split() == ["2.11.0", "0.26.0", "2.11.0"]
+    # PyPI's torch 2.11.0 is the CUDA 13.0 build; its version carries the local tag.
+    assert out.split() == ["2.11.0+cu130", "0.26.0", "2.11.0"]
 
 
 def test_llamafactory_cli_reports_the_pinned_version(host: Host) -> None:

@@ -42,7 +42,9 @@ def main() -> None:
     env = subprocess.run(
         [sys.argv[1], "env"], capture_output=True, text=True, check=True, timeout=300
     )
-    stack["llamafactory_env"] = env.stdout.strip()
+    # Only the report's "- key: value" lines: log lines carry timestamps and would change each run.
+    report = [line for line in env.stdout.splitlines() if line.startswith("- ")]
+    stack["llamafactory_env"] = "\n".join(report)
     print(json.dumps(stack, sort_keys=True))
 
 
