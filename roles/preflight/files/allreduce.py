@@ -35,7 +35,8 @@ def main() -> int:
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group(backend=backend)
+    # device_id binds the NCCL communicator to this rank's GPU (and silences barrier's warning).
+    dist.init_process_group(backend=backend, device_id=device if use_cuda else None)
     rank, world = dist.get_rank(), dist.get_world_size()
 
     elements = args.mib * 1024 * 1024 // 4
