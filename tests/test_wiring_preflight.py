@@ -23,11 +23,17 @@ KEYS = yaml.safe_load((ROOT / "roles/preflight/defaults/main.yml").read_text())[
 
 
 def node_facts(**stack: str) -> dict:
+    # The shapes host_facts and llamafactory write (roles/*/files/*_probe.py).
     host = {
-        "os": "Debian 12",
-        "driver": "580.159.04",
+        "os": {"id": "ubuntu", "version": "24.04", "codename": "noble", "key": "ubuntu-24.04"},
+        "driver_loaded": True,
+        "driver_version": "580.159.04",
+        "cuda_version": "13.0",
         "gpu_count": 2,
-        "gpus": [{"index": 0, "name": "NVIDIA H200"}, {"index": 1, "name": "NVIDIA H200"}],
+        "gpus": [
+            {"index": 0, "name": "NVIDIA H200", "memory_mib": 143771, "pci_bus_id": "0000:18:00.0"},
+            {"index": 1, "name": "NVIDIA H200", "memory_mib": 143771, "pci_bus_id": "0000:2a:00.0"},
+        ],
     }
     versions = {
         "python": "3.12.3",
@@ -55,6 +61,7 @@ def test_identical_nodes_pass_and_the_table_has_one_row_per_node() -> None:
     assert header.split()[:3] == ["node", "os", "driver"]
     assert [row.split()[0] for row in rows] == ["node1", "node2", "node3"]
     assert "NVIDIA H200" in rows[0]
+    assert "ubuntu-24.04" in rows[0]
     assert "2.28.9" in rows[2]
 
 

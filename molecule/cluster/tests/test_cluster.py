@@ -270,7 +270,14 @@ def test_check_without_provisioning_says_run_provision_first() -> None:
 
 
 FACTS = {
-    "llama_host": {"os": "Debian 12", "driver": "", "gpu_count": 0, "gpus": []},
+    "llama_host": {
+        "os": {"id": "debian", "version": "12", "codename": "bookworm", "key": "debian-12"},
+        "driver_loaded": False,
+        "driver_version": None,
+        "cuda_version": None,
+        "gpu_count": 0,
+        "gpus": [],
+    },
     "llama_stack": {
         "python": "3.11.2",
         "torch": "2.11.0",

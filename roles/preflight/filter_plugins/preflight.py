@@ -9,12 +9,14 @@ MISSING = "-"
 
 
 def _text(value: Any) -> str:  # noqa: ANN401 - facts are arbitrary JSON
-    """One cell of the table: lists of GPUs become their distinct model names."""
+    """One cell of the table: lists of GPUs become their distinct model names, the OS its key."""
     if value is None or value == "":
         return MISSING
     if isinstance(value, dict):
-        value = value.get("name", value.get("model", ""))
-        return _text(value)
+        for field in ("name", "key", "model", "version"):
+            if field in value:
+                return _text(value[field])
+        return ",".join(f"{k}={_text(v)}" for k, v in sorted(value.items()))
     if isinstance(value, list | tuple):
         names = sorted({_text(item) for item in value})
         return "+".join(names) if names else MISSING
