@@ -17,6 +17,8 @@ name=mol-cluster-bench
 work=$(mktemp -d /tmp/llama-bench-wiring.XXXXXX)
 # A fact cache from an earlier lab with the same host names would describe other containers.
 export ANSIBLE_CACHE_PLUGIN=memory ANSIBLE_NOCOLOR=1 ANSIBLE_STDOUT_CALLBACK=default
+# Per-task times at the end of each log, to see where the time goes.
+export ANSIBLE_CALLBACKS_ENABLED=ansible.posix.profile_tasks
 
 lab() {
   ansible-playbook playbooks/lab.yml -e "lab_cluster_name=$name" \
