@@ -559,7 +559,7 @@ class Cluster:
 
     def train(
         self,
-        model: str,
+        model: str | None = None,
         dataset: str | None = None,
         *,
         resume: bool = False,
@@ -577,9 +577,10 @@ class Cluster:
         interrupted once ranks may have started, the cluster is asked to stop it (stop.yml)
         unless `detach`, and RunInterrupted says whether it was.
         """
-        if not model or not isinstance(model, str):
+        if not resume and not (model and isinstance(model, str)):
             raise InvalidInput("model must be a catalogue name such as 'tiny'")
-        extravars: dict[str, Any] = {"model": model, "resume": resume, "detach": detach}
+        extravars: dict[str, Any] = {"resume": resume, "detach": detach}
+        extravars |= {"model": model} if model else {}
         extravars |= {"dataset": dataset} if dataset else {}
         extravars |= {"run_id": run_id} if run_id else {}
         clash = set(overrides) & set(extravars)
@@ -1043,7 +1044,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sub.add_parser("provision", parents=[extra], help="install the stack on every node")
     sub.add_parser("check", parents=[extra], help="check consistency, reachability, all-reduce")
     train = sub.add_parser("train", parents=[extra], help="train a model from the catalogue")
-    train.add_argument("--model", required=True, help="catalogue name, e.g. tiny, qwen-7b")
+    train.add_argument("--model", help="catalogue name, e.g. tiny, qwen-7b (not with --resume)")
     train.add_argument("--dataset")
     train.add_argument("--run-id", help="with --resume: the run to continue (default: latest)")
     train.add_argument("--resume", action="store_true", help="resume from the last checkpoint")
