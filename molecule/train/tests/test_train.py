@@ -18,8 +18,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 NODES = ("mol-train-node1", "mol-train-node2")
 RUNS = "/opt/llama-cluster/runs"
-# A run long enough to be killed mid-way: 28 samples / (2 per device x 2 ranks) = 7 steps/epoch.
-LONG_RUN = {"train_args": {"num_train_epochs": 30, "save_steps": 5}}
+# A run long enough to be killed mid-way (kills come at step 12): 28 samples / (2 per device x
+# 2 ranks) = 7 steps per epoch, 70 steps.
+LONG_RUN = {"train_args": {"num_train_epochs": 10, "save_steps": 5}}
 # Seconds from killing a process to the play having failed and stopped every rank.
 FAULT_BOUND_S = 90
 
