@@ -984,7 +984,7 @@ def _summary_panel(summary: TrainSummary) -> Panel:
         f"final loss      {summary.final_loss}",
         f"steps           {summary.last_step}",
         f"output dir      {summary.output_dir}",
-        f"checkpoints     {', '.join(summary.checkpoints) or '-'}",
+        f"checkpoints     {', '.join(Path(c).name for c in summary.checkpoints) or '-'}",
         f"on controller   {summary.controller_dir or '-'}",
         f"loss plot       {summary.loss_plot or '-'}",
     ]
