@@ -7,7 +7,8 @@
 # network, reached with the docker connection; group_vars from molecule/shared (CPU lab settings).
 # wheelhouse: nodes install from the controller's wheelhouse (LLAMA_CLUSTER_CACHE, filled once);
 # index: every node downloads from PyPI itself (wheelhouse_enabled=false).
-# Prints one line per phase; the containers and the network are removed at the end.
+# Prints one line per phase; the containers and the network are removed at the end (KEEP=1 keeps
+# them, e.g. for `pytest molecule/provision/tests --hosts=docker://mol-provision-bench1`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NODES=${1:-2}
@@ -20,9 +21,10 @@ names=()
 for i in $(seq 1 "$NODES"); do names+=("mol-provision-bench$i"); done
 
 cleanup() {
+  rm -rf "$WORK"
+  [ "${KEEP:-0}" = 1 ] && return
   for n in "${names[@]}"; do docker rm -f "$n" >/dev/null 2>&1 || true; done
   docker network rm "$NET" >/dev/null 2>&1 || true
-  rm -rf "$WORK"
 }
 trap cleanup EXIT
 
