@@ -29,15 +29,17 @@ def ansible(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return proc
 
 
-def docker_names(kind: str) -> list[str]:
+def docker_names(kind: str, by: str) -> list[str]:
+    """Containers or networks of this test's lab, found by label or by name."""
+    selector = f"label=io.llama-cluster.lab={NAME}" if by == "label" else f"name={NAME}"
     out = subprocess.run(
         [
             "docker",
             kind,
             "ls",
-            "--all" if kind == "container" else "--quiet",
+            *(["--all"] if kind == "container" else []),
             "--filter",
-            f"label=io.llama-cluster.lab={NAME}",
+            selector,
             "--format",
             "{{.Name}}" if kind == "network" else "{{.Names}}",
         ],
@@ -72,6 +74,9 @@ def test_lab_nodes_answer_over_ssh_and_are_removed_on_stop(lab, nodes):
     inventory, extra = lab
     ansible("ansible-playbook", "playbooks/lab.yml", "-e", f"lab_nodes={nodes}", *extra)
 
+    assert len(docker_names("container", by="label")) == nodes
+    assert docker_names("network", by="label") == [NAME]
+
     ping = ansible("ansible", "all", "-i", str(inventory), "-m", "ansible.builtin.ping", "-o")
     assert ping.stdout.count("SUCCESS") == nodes
     assert ping.stdout.count('"ping": "pong"') + ping.stdout.count("ping: pong") == nodes
@@ -81,8 +86,8 @@ def test_lab_nodes_answer_over_ssh_and_are_removed_on_stop(lab, nodes):
     assert f"{NAME}-node1" in groups.stdout.split("@workers:")[0]
 
     ansible("ansible-playbook", "playbooks/lab.yml", "-e", "lab_state=absent", *extra)
-    assert docker_names("container") == []
-    assert docker_names("network") == []
+    assert docker_names("container", by="name") == []
+    assert docker_names("network", by="name") == []
     assert not inventory.exists()
 
 
