@@ -368,12 +368,12 @@ class _Collector:
 
 
 def _run_id_in(facts: object) -> str | None:
-    """The run id a play settled on: train.yml's `llama_plan` fact (or a plain `run_id`)."""
+    """The run id a play settled on: a `run_id` fact, or one inside a fact (train.yml's plan)."""
     if not isinstance(facts, Mapping):
         return None
-    plan = facts.get("llama_plan")
-    value = plan.get("run_id") if isinstance(plan, Mapping) else facts.get("run_id")
-    return value if isinstance(value, str) and value else None
+    candidates = [facts.get("run_id")]
+    candidates += [v.get("run_id") for v in facts.values() if isinstance(v, Mapping)]
+    return next((c for c in candidates if isinstance(c, str) and c), None)
 
 
 class _Canceller:
@@ -531,6 +531,7 @@ class Cluster:
         self.on_event = on_event
         self._cancel = threading.Event()
         self._busy = threading.Lock()
+        self._collector: _Collector | None = None
 
     # ---- the playbooks ---------------------------------------------------------------------
     def lab(
@@ -590,12 +591,12 @@ class Cluster:
         try:
             result = self.run_playbook(PLAYBOOKS["train"], extravars, on_event=on_event)
         except RunInterrupted as interrupted:
-            # No run id seen yet: the validation play had not finished, no rank was started.
-            if detach or not interrupted.run_id:
-                raise
-            raise self._stop_after_interrupt(
-                interrupted.run_id, interrupted.result
-            ) from interrupted
+            if detach or not _touched_nodes(interrupted.result):
+                raise  # detached on purpose, or interrupted before any node was touched
+            # Without the run id (not seen yet), stop.yml stops the latest run: train.yml
+            # refuses to start while another one runs.
+            outcome = self._stop_after_interrupt(interrupted.run_id, interrupted.result)
+            raise outcome from interrupted
         if result.summary is None and result.data.get("llama_run"):
             result.summary = TrainSummary.from_stats(result.data["llama_run"])
         return result
@@ -631,6 +632,12 @@ class Cluster:
         )
 
     # ---- the machinery ---------------------------------------------------------------------
+    @property
+    def current_run_id(self) -> str | None:
+        """The run id the playbook in progress settled on, once an event has shown it."""
+        collector = self._collector
+        return collector.run_id if collector else None
+
     def cancel(self) -> None:
         """Cancel the run in progress (ansible-runner stops ansible-playbook within seconds)."""
         self._cancel.set()
@@ -685,7 +692,7 @@ class Cluster:
         verb = playbook.stem
         ident = f"{verb}-{datetime.now(UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
         self._cancel.clear()
-        collector = _Collector(on_event or self.on_event, self.cancel)
+        collector = self._collector = _Collector(on_event or self.on_event, self.cancel)
         thread, runner = ansible_runner.run_async(
             private_data_dir=str(self.private_data_dir),
             project_dir=str(self.project_dir),
@@ -765,18 +772,19 @@ class Cluster:
                         SHIELD_INTERRUPTS - interrupts,
                     )
 
-    def _stop_after_interrupt(self, run_id: str, result: RunResult | None) -> RunInterrupted:
-        log.warning("interrupted: stopping run %s on every node", run_id)
+    def _stop_after_interrupt(self, run_id: str | None, result: RunResult | None) -> RunInterrupted:
+        log.warning("interrupted: stopping run %s on every node", run_id or "(the latest)")
         try:
-            self.run_playbook(PLAYBOOKS["stop"], {"run_id": run_id}, shield=True)
+            stopped = self.run_playbook(PLAYBOOKS["stop"], _with_run_id(run_id), shield=True)
         except RunnerError as exc:
             return RunInterrupted(
-                f"run {run_id} was interrupted and could NOT be stopped ({exc}); its ranks may "
-                f"still be running: python train_runner.py stop --run-id {run_id}",
+                f"run {run_id or '(the latest)'} was interrupted and could NOT be stopped ({exc});"
+                f" its ranks may still be running: python train_runner.py stop --run-id {run_id}",
                 run_id=run_id,
                 stopped=False,
                 result=result,
             )
+        run_id = run_id or stopped.run_id
         return RunInterrupted(
             f"run {run_id} was interrupted and stopped on every node",
             run_id=run_id,
@@ -811,6 +819,15 @@ class Cluster:
 
 def _with_run_id(run_id: str | None) -> dict[str, Any]:
     return {"run_id": run_id} if run_id else {}
+
+
+def _touched_nodes(result: RunResult | None) -> bool:
+    """Whether a run got as far as acting on a node (any event from a host but localhost)."""
+    if result is None:
+        return True  # unknown: assume it did
+    return any(
+        e.get("event_data", {}).get("host") not in (None, "localhost") for e in result.events
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -514,9 +514,8 @@ def test_lab_killed_rank_raises_playbook_failed_naming_the_node(provisioned: Clu
         )
 
     def on_event(event: dict) -> None:
-        facts = (event["event_data"].get("res") or {}).get("ansible_facts") or {}
-        if "llama_plan" in facts:
-            run_ids.append(facts["llama_plan"]["run_id"])
+        if provisioned.current_run_id and not run_ids:
+            run_ids.append(provisioned.current_run_id)
         # Kill once rank 0 reports a training step: every rank is up by then.
         res = event["event_data"].get("res") or {}
         progress = train_runner.TrainProgress.from_result("", res)
