@@ -203,7 +203,8 @@ def _playbook(playbook: str, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["ansible-playbook", "-i", _inventory(), playbook, *extra],
         cwd=ROOT,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,  # failures are reported on stderr
         text=True,
         env=_env(),
         check=False,
