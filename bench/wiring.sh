@@ -24,8 +24,8 @@ lab() {
   ansible-playbook playbooks/lab.yml -e "lab_cluster_name=$name" \
     -e "lab_cluster_state_dir=$work/state" -e "lab_cluster_inventory_path=$work/inventory.yml" "$@"
 }
-# lab_state=absent finds the containers by a label that roles/lab_cluster does not set (its key
-# is written untemplated), so this lab's own containers are also removed by name.
+# lab_state=absent removes the lab by its label; removing this lab's containers by name as well
+# also cleans up after labs started before the label was set (commit e219c21).
 cleanup() {
   lab -e lab_state=absent >"$work/lab-down.log" 2>&1 || true
   docker ps -aq --filter "name=^${name}-node[0-9]+$" | xargs -r docker rm -f >/dev/null
