@@ -1101,11 +1101,12 @@ def _dispatch(cluster: Cluster, args: argparse.Namespace) -> RunResult:
 def _report_error(console: Console, exc: RunnerError) -> int:
     """Print what went wrong; return the exit code that says it."""
     if isinstance(exc, RunInterrupted):
-        console.print(f"[bold yellow]INTERRUPTED[/] {exc.message}")
+        console.print(f"[bold yellow]INTERRUPTED[/] {exc.message}", soft_wrap=True)
         if exc.run_id and not exc.stopped:
             console.print(
                 f"run {exc.run_id} may still be running: python train_runner.py status "
-                f"--run-id {exc.run_id} / stop --run-id {exc.run_id}"
+                f"--run-id {exc.run_id} / stop --run-id {exc.run_id}",
+                soft_wrap=True,
             )
         return EXIT_INTERRUPTED
     if isinstance(exc, PlaybookFailed) and exc.result is not None:
