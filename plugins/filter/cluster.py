@@ -17,7 +17,7 @@ def _check_groups(cluster: list[str], masters: list[str], workers: list[str]) ->
         raise AnsibleFilterError(
             "The inventory has no hosts in the group 'cluster'. Start the lab "
             "(ansible-playbook playbooks/lab.yml) or pass your own inventory with -i "
-            "(see inventory/example-cluster.yml)."
+            "(see inventory/example/hosts.yml)."
         )
     if len(masters) != 1:
         found = ", ".join(masters) or "none"
