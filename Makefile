@@ -2,11 +2,19 @@
 SHELL := /bin/bash
 VENV := .venv/bin
 NODES ?= 2
+# Downloads and built environments are cached here (CI keeps them between runs).
+export LLAMA_CLUSTER_CACHE ?= $(HOME)/.cache/llama-cluster
+export LLAMA_CLUSTER_TRAIN_VENV ?= $(LLAMA_CLUSTER_CACHE)/venv-train
+export LLAMA_CLUSTER_TRAIN_PYTHON ?= $(LLAMA_CLUSTER_TRAIN_VENV)/bin/python
 
-.PHONY: setup lab lab-down provision train demo lint test test-fast
+.PHONY: setup test-env lab lab-down provision train demo lint test test-fast
 
 setup:                ## controller: .venv + collections
 	scripts/setup-controller.sh
+
+test-env: setup       ## the node wheelhouse (CPU build) and a controller venv with the training stack
+	$(VENV)/ansible-playbook playbooks/wheelhouse.yml -e cluster_accelerator=cpu
+	scripts/setup-train-venv.sh
 
 lab: setup            ## start the local lab cluster (NODES=2)
 	$(VENV)/ansible-playbook playbooks/lab.yml -e lab_nodes=$(NODES)
@@ -28,10 +36,10 @@ lint: setup           ## ansible-lint (production), yamllint, ruff
 	$(VENV)/ruff check .
 	$(VENV)/ruff format --check .
 
-test-fast: setup      ## lint + pytest without molecule scenarios
+test-fast: test-env   ## lint + pytest without molecule scenarios
 	$(MAKE) lint
 	$(VENV)/pytest -m "not molecule"
 
-test: setup           ## everything CI runs: lint, pytest, molecule scenarios
+test: test-env        ## everything CI runs: lint, pytest, molecule scenarios
 	$(MAKE) lint
 	$(VENV)/pytest

@@ -3,25 +3,26 @@
 # configs with LLaMA-Factory's and DeepSpeed's own parsers. Idempotent: a venv that already
 # imports the pinned stack is left alone. Offline: installs only from a local wheelhouse.
 #
-#   LLAMA_CLUSTER_TRAIN_PYTHON  python of the venv (default /var/cache/llama-cluster/venv-train/bin/python)
+#   LLAMA_CLUSTER_CACHE         the controller cache (default ~/.cache/llama-cluster)
+#   LLAMA_CLUSTER_TRAIN_PYTHON  python of the venv (default $LLAMA_CLUSTER_CACHE/venv-train/bin/python)
 #   LLAMA_CLUSTER_WHEELHOUSE    the wheelhouse (default: the first of the known cache locations that
 #                               holds a llamafactory wheel)
 set -euo pipefail
 
-python_bin="${LLAMA_CLUSTER_TRAIN_PYTHON:-/var/cache/llama-cluster/venv-train/bin/python}"
+cache="${LLAMA_CLUSTER_CACHE:-$HOME/.cache/llama-cluster}"
+python_bin="${LLAMA_CLUSTER_TRAIN_PYTHON:-$cache/venv-train/bin/python}"
 venv_dir="$(dirname "$(dirname "$python_bin")")"
 
 find_wheelhouse() {
   local candidate
   for candidate in ${LLAMA_CLUSTER_WHEELHOUSE:-} \
-    /var/cache/llama-cluster/wheelhouse/cp311-pypi /var/cache/llama-cluster/wheelhouse/cp311 /var/cache/llama-cluster/wheelhouse \
-    /var/cache/llama-cluster/wheelhouse-probe; do
+    "$cache/wheelhouse/cp311-pypi" "$cache/wheelhouse"; do
     if compgen -G "$candidate/llamafactory-*.whl" >/dev/null; then
       echo "$candidate"
       return 0
     fi
   done
-  found="$(find /var/cache/llama-cluster -name 'llamafactory-0.9.5-*.whl' -print -quit 2>/dev/null || true)"
+  found="$(find "$cache" -name 'llamafactory-0.9.5-*.whl' -print -quit 2>/dev/null || true)"
   if [[ -n "$found" ]]; then
     dirname "$found"
     return 0
