@@ -22,7 +22,9 @@ PEAK_BF16 = 989e12  # dense bf16 FLOP/s of one H100/H200 SXM (datasheet)
 def summarise(path: Path, warmup: int, params: float, gpus: int) -> dict[str, float]:
     """tokens/s after the warm-up step, MFU and the last logged loss of one run."""
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    timed = [r for r in records if r.get("throughput") and r.get("total_tokens")]
+    # Logging steps only: the records written after training (save, summary) repeat the last
+    # token count at a later time.
+    timed = [r for r in records if r.get("throughput") and r.get("total_tokens") and "loss" in r]
     after = [r for r in timed if r["current_steps"] >= warmup] or timed
     first, last = after[0], after[-1]
 
