@@ -2,6 +2,9 @@
 SHELL := /bin/bash
 VENV := .venv/bin
 NODES ?= 2
+# Tools that tests and scripts start by name (ansible-playbook, ansible-config, molecule) come
+# from the controller environment, activated or not.
+export PATH := $(CURDIR)/.venv/bin:$(PATH)
 # Downloads and built environments are cached here (CI keeps them between runs).
 export LLAMA_CLUSTER_CACHE ?= $(HOME)/.cache/llama-cluster
 export LLAMA_CLUSTER_TRAIN_VENV ?= $(LLAMA_CLUSTER_CACHE)/venv-train

@@ -25,6 +25,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -497,6 +498,17 @@ def _stdout_tail(path: Path, lines: int = 15) -> str:
 # --------------------------------------------------------------------------------------------
 # The API
 # --------------------------------------------------------------------------------------------
+def _find_ansible_next_to_python() -> None:
+    """Put this interpreter's bin first on PATH when ansible-playbook is not on PATH.
+
+    ansible-runner starts `ansible-playbook` by name: with `.venv/bin/python train_runner.py`
+    and no activated venv it would not be found.
+    """
+    if shutil.which("ansible-playbook") is None:
+        bin_dir = str(Path(sys.executable).parent)
+        os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
+
+
 class Cluster:
     """A llama-cluster inventory, and the playbooks that act on it.
 
@@ -520,6 +532,7 @@ class Cluster:
     ) -> None:
         if keep_artifacts < 1:
             raise InvalidInput("keep_artifacts must be at least 1")
+        _find_ansible_next_to_python()
         self.project_dir = Path(project_dir).resolve()
         self.inventory = Path(inventory or DEFAULT_INVENTORY).resolve()
         self.private_data_dir = Path(
