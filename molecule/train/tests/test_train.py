@@ -235,7 +235,8 @@ def test_detached_run_is_followed_logged_and_stopped() -> None:
     assert "Follow it: ansible-playbook playbooks/status.yml" in _said(started.stdout)
     refused = _playbook("train.yml", "-e", "model=tiny")
     assert refused.returncode != 0
-    assert "One run at a time" in _said(refused.stdout)
+    assert "is running another job" in _said(refused.stdout)
+    assert "One job at a time" in _said(refused.stdout)
     status = _playbook("playbooks/status.yml")
     assert status.returncode == 0
     assert run_id in _said(status.stdout)
