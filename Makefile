@@ -43,6 +43,10 @@ test-fast: test-env   ## lint + pytest without molecule scenarios
 	$(MAKE) lint
 	$(VENV)/pytest -m "not molecule"
 
-test: test-env        ## everything CI runs: lint, pytest, molecule scenarios
+# The runner's lab tests need the lab: a lab already up is used and kept; otherwise one is started
+# for the tests and removed after them.
+test: test-env        ## everything CI runs: lint, pytest (lab and molecule scenarios included)
 	$(MAKE) lint
-	$(VENV)/pytest
+	@if [ -f inventory/lab.yml ]; then $(VENV)/pytest; else \
+	  $(VENV)/ansible-playbook playbooks/lab.yml && { $(VENV)/pytest; status=$$?; \
+	  $(VENV)/ansible-playbook playbooks/lab.yml -e lab_state=absent; exit $$status; }; fi

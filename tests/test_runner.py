@@ -447,7 +447,10 @@ def test_lab_provision_reports_every_node(provisioned: Cluster):
 @needs_train
 def test_lab_train_tiny_returns_the_summary(provisioned: Cluster):
     events: list[dict] = []
-    result = provisioned.train("tiny", on_event=events.append)
+    # Long enough (about a minute) for the watch to report progress at least once.
+    result = provisioned.train(
+        "tiny", on_event=events.append, train_args={"num_train_epochs": 40, "logging_steps": 5}
+    )
     assert result.ok
     summary = result.summary
     assert summary is not None
