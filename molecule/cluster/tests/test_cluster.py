@@ -16,9 +16,11 @@ from pathlib import Path
 import pytest
 import testinfra
 
-NODES = ["mol-cluster-node1", "mol-cluster-node2", "mol-cluster-node3"]
+# Container names carry a prefix so that two checkouts can run the scenario side by side.
+PREFIX = os.environ.get("LLAMA_MOLECULE_PREFIX", "mol")
+NODES = [f"{PREFIX}-cluster-node{i}" for i in (1, 2, 3)]
 MASTER, WORKERS = NODES[0], NODES[1:]
-OUTSIDER = "mol-cluster-outsider"
+OUTSIDER = f"{PREFIX}-cluster-outsider"
 USER = "llama"
 KEY = f"/home/{USER}/.ssh/id_ed25519_llama_cluster"
 MASTER_PORT = 29500
@@ -192,7 +194,7 @@ def master_listener() -> Iterator[None]:
     """A real listener on the master port of the master for the duration of a test."""
     host = node(MASTER)
     host.check_output(
-        "systemd-run --collect --unit=mol-cluster-listener --property=RuntimeMaxSec=120"
+        f"systemd-run --collect --unit={PREFIX}-cluster-listener --property=RuntimeMaxSec=120"
         " python3 -c %s",
         "import socket,time\n"
         "s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
@@ -201,7 +203,7 @@ def master_listener() -> Iterator[None]:
     )
     host.run(f"timeout 10 sh -c 'until ss -ltn | grep -q :{MASTER_PORT}; do sleep 0.2; done'")
     yield
-    host.run("systemctl stop mol-cluster-listener")
+    host.run(f"systemctl stop {PREFIX}-cluster-listener")
 
 
 def connects(source: str, target_ip: str, port: int) -> bool:

@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
-NODES = ("mol-train-node1", "mol-train-node2")
+# Container names carry a prefix so that two checkouts can run the scenario side by side.
+PREFIX = os.environ.get("LLAMA_MOLECULE_PREFIX", "mol")
+NODES = (f"{PREFIX}-train-node1", f"{PREFIX}-train-node2")
 RUNS = "/opt/llama-cluster/runs"
 # A run long enough to be killed mid-way (kills come at step 12): 28 samples / (2 per device x
 # 2 ranks) = 7 steps per epoch, 70 steps.
