@@ -944,3 +944,12 @@ def test_dataset_info_registers_each_file_beside_it() -> None:
     assert info == {
         "a": {"formatting": "sharegpt", "columns": {"messages": "c"}, "file_name": "a.json"}
     }
+
+
+def test_the_projects_own_settings_pass_the_same_schema() -> None:
+    defaults = {**SETTINGS["defaults"], "learning_rate": 0}
+    with pytest.raises(rp.PlanError, match=r"training_defaults \(group_vars/all/training.yml\)"):
+        make_plan(settings={**SETTINGS, "defaults": defaults})
+    rules = [{"name": "bad", "set": {"per_device_train_batch_size": -1}}]
+    with pytest.raises(rp.PlanError, match=r"profile rule 'bad'.*per_device_train_batch_size"):
+        make_plan(settings={**SETTINGS, "rules": rules})

@@ -212,7 +212,10 @@ def _show(value: Any) -> str:  # noqa: ANN401 - any user value
     return str(value)
 
 
-def check_train_args(train_args: Any) -> tuple[dict[str, Any], list[str]]:  # noqa: ANN401
+def check_train_args(
+    train_args: Any,  # noqa: ANN401 - user data
+    where: str = "train_args",
+) -> tuple[dict[str, Any], list[str]]:
     """train_args with its numbers and flags coerced, and a problem for each bad one."""
     if not isinstance(train_args, Mapping):
         return {}, [
@@ -228,8 +231,25 @@ def check_train_args(train_args: Any) -> tuple[dict[str, Any], list[str]]:  # no
         try:
             checked[str(key)] = spec.coerce(value)
         except (ValueError, TypeError):
-            problems.append(_bad(f"train_args.{key}", value, spec))
+            problems.append(_bad(f"{where}.{key}", value, spec))
     return checked, problems
+
+
+def check_project_settings(settings: Settings, model: Mapping[str, Any]) -> None:
+    """The training arguments the project's own data sets pass the same schema as the user's."""
+    sources = [
+        (f"training_defaults ({TRAINING_FILE})", settings.defaults),
+        (f"{CATALOGUE_FILE} train_args of the model", model.get("train_args") or {}),
+    ] + [
+        (f"the `set` of profile rule {rule.get('name', '')!r} ({TRAINING_FILE})", rule["set"])
+        for rule in settings.rules
+    ]
+    problems = [bad for where, args in sources for bad in check_train_args(args, where)[1]]
+    if problems:
+        raise PlanError(
+            "The project's settings hold values LLaMA-Factory would refuse:\n- "
+            + "\n- ".join(problems)
+        )
 
 
 def check_request(
@@ -987,6 +1007,7 @@ def plan(
     accelerator, nproc, world = check_nodes(nodes)
     model = resolve_model(request, data.catalogue)
     check_rules(data.rules)
+    check_project_settings(data, model)
     smallest = _smallest(nodes)
     gib = smallest["gpu_memory_gib"] if smallest else None
     memory = Memory(
