@@ -14,24 +14,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench" / "gpu"))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import analyse  # noqa: E402
 import harness  # noqa: E402
+import make_model  # noqa: E402
 import wheels  # noqa: E402
 
 from plugins.filter.cluster import cluster_ranks  # noqa: E402
 
-# Qwen2.5-7B as bench/make_model.py writes bench_model.json for it.
-QWEN7B = {
-    "n_params": 7_615_616_512,
-    "hidden": 3584,
-    "layers": 28,
-    "heads": 28,
-    "kv_heads": 4,
-    "intermediate": 18944,
-    "vocab": 152064,
-    "tied": 0,
-}
+# Qwen2.5-7B as bench/make_model.py writes bench_model.json for it (its published parameter count).
+QWEN7B = {**make_model.SHAPES["7b"], "n_params": 7_615_616_512}
 
 
 def log_lines(steps: int, step_s: float, tokens: int, compile_s: float) -> list[dict]:
@@ -193,3 +186,5 @@ def test_root_cause_skips_the_launchers_wrappers():
     )
     assert analyse.root_cause("ChildFailedError: x").startswith("ChildFailedError")
     assert analyse.root_cause("all fine") == ""
+    ranked = "[rank0]: RuntimeError: There are currently no available devices found"
+    assert analyse.root_cause(f"x\n{ranked}\nChildFailedError: ") == ranked

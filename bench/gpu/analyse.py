@@ -201,7 +201,7 @@ def compare_losses(
 
 # Errors that only report that a child failed: the cause is elsewhere in the log.
 _WRAPPERS = ("ChildFailedError", "CalledProcessError", "SignalException", "ProcessExitedException")
-_ERROR_LINE = re.compile(r"^\s*([\w.]*(?:Error|Exception|Interrupt))(:.*)?$")
+_ERROR_LINE = re.compile(r"^\s*(?:\[rank\d+\]:\s*)?([\w.]*(?:Error|Exception|Interrupt))(:.*)?$")
 
 
 def root_cause(log: str) -> str:

@@ -41,7 +41,7 @@ import sys
 import tarfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -142,7 +142,6 @@ PROFILE_KEYS = [
     "flash_attn",
     "optim",
     "ddp_find_unused_parameters",
-    "deepspeed",
     "fsdp",
     "learning_rate",
     "lora_rank",
@@ -165,7 +164,7 @@ GOALS = {
     "0.5b": Goal("qwen2.5-0.5b", "0.5b", "full", 3.0, None),
     "7b": Goal("qwen2.5-7b", "7b", "lora", 9.0, 0.35),
 }
-STAGES = ["none", "zero2", "zero3", "zero3_offload", "fsdp"]
+STAGES = ["none", "zero0", "zero2", "zero3", "zero3_offload", "fsdp"]
 
 
 @dataclass
@@ -193,50 +192,45 @@ class Mode:
     shard_cap: float
     # Seconds each phase is expected to take (BENCHMARKS.md's timings; bench/gpu/PROFILE.md).
     estimates: dict[str, float]
-    gpus: int = 1
     extra_example: dict[str, Any] = field(default_factory=dict)
 
 
+GPU_MODE = Mode(
+    name="gpu",
+    # 12000 records (make_model.py's default, what the section 2 proof trained through
+    # train.yml): 3 epochs are thousands of optimizer steps, a run long enough for any
+    # rule that weighs torch.compile's compilation against the steps it speeds up.
+    samples=12000,
+    sizes={"1.5b": "1.5b", "0.5b": "0.5b", "7b": "7b"},
+    product=Box(warmup=8, min_steps=15, seconds=12, cap=270, profile_step=5),
+    # The example is not profiled: its steps (dozens of checkpointed micro-batches) make
+    # traces of 100 MB, and the goals are about where train.yml's step goes.
+    example=Box(warmup=3, min_steps=3, seconds=12, cap=150),
+    shard_steps=12,
+    shard_cap=200,
+    # Expected seconds per phase (bench/gpu/PROFILE.md, "Time budget", says where from).
+    estimates={
+        "setup": 60,
+        "goal-1.5b": 195,
+        "goal-0.5b": 160,
+        "goal-7b": 245,
+        "shard": 55,
+        "scale-1.5b": 160,
+    },
+)
 MODES = {
-    "gpu": Mode(
-        name="gpu",
-        # 12000 records (make_model.py's default, what the section 2 proof trained through
-        # train.yml): 3 epochs are thousands of optimizer steps, a run long enough for any
-        # rule that weighs torch.compile's compilation against the steps it speeds up.
-        samples=12000,
-        sizes={"1.5b": "1.5b", "0.5b": "0.5b", "7b": "7b"},
-        product=Box(warmup=8, min_steps=15, seconds=12, cap=270, profile_step=5),
-        # The example is not profiled: its steps (dozens of checkpointed micro-batches) make
-        # traces of 100 MB, and the goals are about where train.yml's step goes.
-        example=Box(warmup=3, min_steps=3, seconds=12, cap=150),
-        shard_steps=12,
-        shard_cap=200,
-        # Expected seconds per phase (bench/gpu/PROFILE.md, "Time budget", says where from).
-        estimates={
-            "setup": 60,
-            "goal-1.5b": 195,
-            "goal-0.5b": 160,
-            "goal-7b": 245,
-            "shard": 55,
-            "scale-1.5b": 160,
-        },
-    ),
-    "cpu": Mode(
+    "gpu": GPU_MODE,
+    # The dry run here: the tiny shape for every goal, a loaded 2-core machine, fp32.
+    "cpu": replace(
+        GPU_MODE,
         name="cpu",
         samples=600,
-        sizes={"1.5b": "tiny", "0.5b": "tiny", "7b": "tiny"},
+        sizes=dict.fromkeys(GPU_MODE.sizes, "tiny"),
         product=Box(warmup=7, min_steps=3, seconds=2, cap=400, profile_step=5),
         example=Box(warmup=3, min_steps=3, seconds=2, cap=300),
         shard_steps=8,
         shard_cap=900,
-        estimates={
-            "setup": 60,
-            "goal-1.5b": 240,
-            "goal-0.5b": 240,
-            "goal-7b": 240,
-            "shard": 150,
-            "scale-1.5b": 240,
-        },
+        estimates={**dict.fromkeys(GPU_MODE.estimates, 240), "shard": 150},
         extra_example={"bf16": False, "preprocessing_num_workers": 2, "dataloader_num_workers": 0},
     ),
 }
@@ -268,7 +262,8 @@ class Ctx:
         self.port = 29600
         for path in (self.results, self.models, self.data_dir):
             path.mkdir(parents=True, exist_ok=True)
-        self.gpus = gpu_count() if self.mode.name == "gpu" else 1
+        # Logical nodes of the scaling phase: one per GPU (the dry run: two CPU "nodes").
+        self.nodes = args.nodes or (gpu_count() if self.mode.name == "gpu" else 2)
         # Models still being generated (setup starts them; a phase waits for its own).
         self.pending: dict[str, subprocess.Popen[bytes]] = {}
 
@@ -282,13 +277,12 @@ class Ctx:
         return self.port
 
     def inventory(self, nodes: int) -> Path:
-        """The inventory of `nodes` logical nodes (one GPU each), written once."""
+        """The inventory of `nodes` logical nodes (one GPU each), as JSON (a YAML subset)."""
         path = self.work / f"inventory-{nodes}.yml"
-        if not path.exists():
-            inv = inventory(
-                self.mode.name, nodes, self.base_dir, self.env_bin.parent, self.gpu_memory_gib
-            )
-            path.write_text(json.dumps(inv, indent=2) + "\n")
+        inv = inventory(
+            self.mode.name, nodes, self.base_dir, self.env_bin.parent, self.gpu_memory_gib
+        )
+        path.write_text(json.dumps(inv, indent=2) + "\n")
         return path
 
 
@@ -338,6 +332,9 @@ def inventory(
     }
     if mode == "gpu":
         node["cuda_version"] = "13.0"
+    else:
+        # Not /etc/ansible/facts.d: the dry run's machine is shared.
+        node["host_facts_facts_dir"] = str(base_dir / "facts.d")
     if gpu_memory_gib:
         node["training_gpu_memory_gib"] = gpu_memory_gib
     hosts = {}
@@ -656,15 +653,21 @@ def run_logged(cmd: list[str], log: Path, ctx: Ctx, timeout: float) -> int | str
         try:
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            end_session(proc)
             return "timeout"
+
+
+def end_session(proc: subprocess.Popen, grace: float = 20) -> None:
+    """SIGTERM the session a process leads (started with start_new_session), SIGKILL it after
+    `grace` seconds if it is still there."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def stop_run(ctx: Ctx, run_dir: Path) -> None:
@@ -810,14 +813,7 @@ def example(
             output / "trainer_log.jsonl", lambda: proc.poll() is None, box, cap
         )
         if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            end_session(proc)
     result: dict[str, Any] = {
         "kind": "example by hand",
         "model": goal.model,
@@ -956,16 +952,16 @@ def shard_phase(ctx: Ctx, stage: str) -> dict[str, Any]:
 
 def scale_phase(ctx: Ctx) -> dict[str, Any] | None:
     """The 1.5B product on every GPU, one logical node each (needs two GPUs or more)."""
-    if ctx.gpus < 2:
-        say(f"scale: {ctx.gpus} GPU(s) here, nothing to scale")
+    if ctx.nodes < 2:
+        say(f"scale: {ctx.nodes} GPU(s) here, nothing to scale")
         return None
-    say(f"scale: train.yml 1.5B on {ctx.gpus} logical nodes")
+    say(f"scale: train.yml 1.5B on {ctx.nodes} logical nodes")
     goal = GOALS["1.5b"]
-    res = product(ctx, ctx.results / "scale-1.5b", goal, nodes=ctx.gpus, box=ctx.mode.product)
+    res = product(ctx, ctx.results / "scale-1.5b", goal, nodes=ctx.nodes, box=ctx.mode.product)
     cutoff = int(res.get("rendered", {}).get("cutoff_len") or 2048)
     lengths = sample_lengths(ctx.models / ctx.mode.sizes[goal.size], ctx.data, cutoff)
     real_tokens(res, ctx.results / "scale-1.5b", lengths)
-    add_mfu(ctx, res, goal, (cutoff + 2) / 2, ctx.gpus)
+    add_mfu(ctx, res, goal, (cutoff + 2) / 2, ctx.nodes)
     return save(ctx.results / "scale-1.5b", res)
 
 
@@ -982,9 +978,11 @@ def short(result: dict[str, Any]) -> str:
 
 
 def phase_sizes(ctx: Ctx, phase: str) -> set[str]:
-    """The model shapes a phase trains."""
+    """The model shapes a phase trains (and the CPU Adam op, for the offload run)."""
     if phase.startswith(("goal-", "scale-")):
         return {ctx.mode.sizes[phase.split("-", 1)[1]]}
+    if phase == "shard-zero3_offload":
+        return {ctx.mode.sizes["0.5b"], "cpu_adam"}
     if phase.startswith("shard-"):
         return {ctx.mode.sizes["0.5b"]}
     return set()
@@ -992,7 +990,7 @@ def phase_sizes(ctx: Ctx, phase: str) -> set[str]:
 
 def start_models(ctx: Ctx, sizes: set[str]) -> None:
     """Generate the models that are not there yet, in the background (ctx.pending)."""
-    for size in sorted(sizes):
+    for size in sorted(sizes - {"cpu_adam"}):
         if (ctx.models / size / "bench_model.json").exists() or size in ctx.pending:
             continue
         cmd = [ctx.python, str(ROOT / "bench" / "make_model.py"), "--size", size]
@@ -1016,8 +1014,9 @@ def ensure_models(ctx: Ctx, sizes: set[str]) -> None:
             continue
         started = time.monotonic()
         rc = proc.wait()
-        log = tail(ctx.results / "setup" / f"make_model_{size}.log", 3).replace("\n", " | ")
-        say(f"model {size}: rc {rc} (waited {time.monotonic() - started:.0f} s): {log[-200:]}")
+        name = "cpu_adam.log" if size == "cpu_adam" else f"make_model_{size}.log"
+        log = tail(ctx.results / "setup" / name, 3).replace("\n", " | ")
+        say(f"{size}: rc {rc} (waited {time.monotonic() - started:.0f} s): {log[-300:]}")
 
 
 def setup_phase(ctx: Ctx, phases: list[str]) -> None:
@@ -1050,14 +1049,38 @@ def setup_phase(ctx: Ctx, phases: list[str]) -> None:
     if not ctx.data.exists():
         data = [ctx.python, "-c", DATA, str(ROOT / "bench"), str(ctx.data_dir)]
         subprocess.run([*data, str(ctx.mode.samples)], check=True)
-    if ctx.mode.name == "gpu":
-        cmd = [ctx.playbook, "-i", str(ctx.inventory(1)), "provision.yml", "--tags", "host_facts"]
-        rc = run_logged(cmd, dest / "facts.log", ctx, 120)
-        say(f"node facts (provision.yml --tags host_facts): rc {rc}")
-        with contextlib.suppress(OSError):
-            shutil.copy2("/etc/ansible/facts.d/llama_host.fact", dest / "llama_host.json")
+    cmd = [ctx.playbook, "-i", str(ctx.inventory(1)), "provision.yml", "--tags", "host_facts"]
+    rc = run_logged(cmd, dest / "facts.log", ctx, 120)
+    say(f"node facts (provision.yml --tags host_facts): rc {rc}")
+    facts = Path("/etc/ansible/facts.d") if ctx.mode.name == "gpu" else ctx.base_dir / "facts.d"
+    with contextlib.suppress(OSError):
+        shutil.copy2(facts / "llama_host.fact", dest / "llama_host.json")
+    if "shard-zero3_offload" in later:
+        start_cpu_adam(ctx)
     if later:
         ensure_models(ctx, phase_sizes(ctx, later[0]))
+
+
+# DeepSpeed's CPU Adam, which accelerate puts in place of torch's AdamW under ZeRO offload: with
+# DS_BUILD_OPS=0 it compiles on first use (g++, ninja, Python.h). Built once in the background, so
+# that the offload run finds it in ~/.cache/torch_extensions, and so that a toolchain problem shows.
+CPU_ADAM = (
+    "import shutil, sysconfig, time; from pathlib import Path\n"
+    "inc = Path(sysconfig.get_paths()['include']) / 'Python.h'\n"
+    "print('g++', shutil.which('g++'), '| ninja', shutil.which('ninja'), '| nvcc',"
+    " shutil.which('nvcc'), '|', inc, inc.exists(), flush=True)\n"
+    "t = time.time(); from deepspeed.ops.op_builder import CPUAdamBuilder\n"
+    "CPUAdamBuilder().load()\n"
+    "print(f'cpu_adam built/loaded in {time.time() - t:.0f} s')\n"
+)
+
+
+def start_cpu_adam(ctx: Ctx) -> None:
+    """Build DeepSpeed's CPU Adam op in the background (see CPU_ADAM)."""
+    log = (ctx.results / "setup" / "cpu_adam.log").open("w")
+    ctx.pending["cpu_adam"] = subprocess.Popen(
+        [ctx.python, "-c", CPU_ADAM], stdout=log, stderr=subprocess.STDOUT, env=run_env(ctx)
+    )
 
 
 VERSIONS = (
@@ -1105,8 +1128,12 @@ def pack(ctx: Ctx) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the phases in order, within the deadline."""
-    ctx = Ctx(args)
     phases = args.phases or ["setup", "goal-1.5b", "goal-0.5b"]
+    known = ["setup", *(f"goal-{k}" for k in GOALS), *(f"shard-{s}" for s in STAGES), "scale-1.5b"]
+    unknown = [p for p in phases if p not in known]
+    if unknown:
+        raise SystemExit(f"unknown phase {' '.join(unknown)}; the phases are: {' '.join(known)}")
+    ctx = Ctx(args)
     # One timings file per call: results of two calls can be unpacked into one folder.
     timings_file = ctx.results / f"timings-{time.strftime('%Y%m%d-%H%M%S')}.json"
     timings: dict[str, float] = {}
@@ -1137,7 +1164,9 @@ def run(args: argparse.Namespace) -> int:
         timings_file.write_text(json.dumps(timings, indent=1) + "\n")
         say(f"{phase}: {timings[phase]} s (call at {time.monotonic() - ctx.start:.0f} s)")
         pack(ctx)
-    print((ctx.out / "summary.md").read_text() if (ctx.out / "summary.md").exists() else "")
+    import report  # noqa: PLC0415
+
+    print(report.brief(ctx.results))
     skipped = [p for p, t in timings.items() if t == -1]
     say("done" + (f"; skipped for time, for the next call: {' '.join(skipped)}" if skipped else ""))
     return 0
@@ -1156,6 +1185,7 @@ def main() -> int:
     r.add_argument("--env-bin", help="bin/ of the training environment (default: this Python's)")
     r.add_argument("--deadline-s", type=float, default=500)
     r.add_argument("--gpu-memory-gib", type=float, help="set training_gpu_memory_gib on the nodes")
+    r.add_argument("--nodes", type=int, help="logical nodes of scale-1.5b (default: the GPUs)")
     r.add_argument("--product-extra", help="JSON extra vars for every train.yml run")
     r.add_argument("phases", nargs="*")
     rep = sub.add_parser("report", help="rewrite summary.md/results.json/loss.png from results/")

@@ -18,6 +18,9 @@ mode=${PROFILE_MODE:-gpu}
 out=${OUT:-/tmp/profile-out}
 mkdir -p "$out"
 if [[ $mode == gpu ]]; then
+  for need in .whl/llamafactory-*.whl .whl/ansible_core-*.whl collections/ansible_collections/community/general; do
+    [[ -e $need ]] || { echo "missing $need: run bench/gpu/wheels.py here and carry .whl and collections"; exit 2; }
+  done
   # The image's own environment (torch 2.11.0+cu130) gets the carried wheels: train.yml's launcher
   # runs <cluster_env_dir>/bin/llamafactory-cli, so they go where that is, not into a --target dir.
   env=/opt/torch/.venv

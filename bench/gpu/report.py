@@ -13,7 +13,7 @@ from typing import Any
 import analyse
 
 GOAL_ORDER = ["1.5b", "0.5b", "7b"]
-STAGE_ORDER = ["none", "zero2", "zero3", "zero3_offload", "fsdp"]
+STAGE_ORDER = ["none", "zero0", "zero2", "zero3", "zero3_offload", "fsdp"]
 GOAL_HEADER = [
     "goal",
     "run",
@@ -304,6 +304,13 @@ def footer(results: Path) -> list[str]:
         phase = err.name.removesuffix(".error.txt")
         lines += [f"Phase {phase} raised: `{err.read_text().strip()}`", ""]
     return lines
+
+
+def brief(results: Path) -> str:
+    """The goals, sharding and scaling tables only (what the end of a call's output shows)."""
+    goals, _ = goals_section(results)
+    shard, _ = shard_section(results)
+    return "\n".join(goals + shard + scale_section(results)) + "\n"
 
 
 def write(results: Path, out: Path, mode: str) -> None:
