@@ -1078,8 +1078,12 @@ CPU_ADAM = (
 def start_cpu_adam(ctx: Ctx) -> None:
     """Build DeepSpeed's CPU Adam op in the background (see CPU_ADAM)."""
     log = (ctx.results / "setup" / "cpu_adam.log").open("w")
+    # The environment the launcher gives a rank (roles/job/templates/job.env.j2): the build flags,
+    # and with them torch's cache key, must be the same, or the run builds the op again.
+    env = {**RUN_ENV, "HOME": os.environ.get("HOME", "/root"), "PYTHONUNBUFFERED": "1"}
+    env["PATH"] = f"{ctx.env_bin}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
     ctx.pending["cpu_adam"] = subprocess.Popen(
-        [ctx.python, "-c", CPU_ADAM], stdout=log, stderr=subprocess.STDOUT, env=run_env(ctx)
+        [ctx.python, "-c", CPU_ADAM], stdout=log, stderr=subprocess.STDOUT, env=env
     )
 
 
