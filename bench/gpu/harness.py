@@ -863,6 +863,14 @@ def add_mfu(ctx: Ctx, result: dict[str, Any], goal: Goal, context: float, gpus: 
         )
 
 
+def context(result: dict[str, Any], cutoff: int, lengths: list[int]) -> float:
+    """Mean keys per query of a run: a packed row is cutoff_len + 1 tokens (LLaMA-Factory pads it
+    so), causal over the whole row; unpacked samples attend within themselves."""
+    if (result.get("rendered") or {}).get("packing"):
+        return (cutoff + 2) / 2
+    return analyse.mean_context_unpacked(lengths)
+
+
 def real_tokens(result: dict[str, Any], dest: Path, lengths: list[int]) -> None:
     """Take the filler of packed rows out of a run's token counts.
 
@@ -910,11 +918,7 @@ def goal_phase(ctx: Ctx, key: str) -> dict[str, Any]:
     )
     ex = example(ctx, dest / "example", goal, accumulation, ctx.mode.example, cutoff=cutoff)
     say(f"goal {key}: example -> {short(ex)}")
-    packed = bool(prod.get("rendered", {}).get("packing"))
-    # A packed row is cutoff_len + 1 tokens (LLaMA-Factory pads it so), causal over the whole row.
-    add_mfu(
-        ctx, prod, goal, (cutoff + 2) / 2 if packed else analyse.mean_context_unpacked(lengths), 1
-    )
+    add_mfu(ctx, prod, goal, context(prod, cutoff, lengths), 1)
     add_mfu(ctx, ex, goal, analyse.mean_context_unpacked(lengths), 1)
     save(dest / "train_yml", prod)
     save(dest / "example", ex)
@@ -961,7 +965,7 @@ def scale_phase(ctx: Ctx) -> dict[str, Any] | None:
     cutoff = int(res.get("rendered", {}).get("cutoff_len") or 2048)
     lengths = sample_lengths(ctx.models / ctx.mode.sizes[goal.size], ctx.data, cutoff)
     real_tokens(res, ctx.results / "scale-1.5b", lengths)
-    add_mfu(ctx, res, goal, (cutoff + 2) / 2, ctx.nodes)
+    add_mfu(ctx, res, goal, context(res, cutoff, lengths), ctx.nodes)
     return save(ctx.results / "scale-1.5b", res)
 
 
