@@ -1,11 +1,12 @@
 """Generate a random-initialised Qwen2.5-shaped model, its tokenizer and a synthetic alpaca set.
 
-Nothing comes from a hub. The model has the exact shape of Qwen2.5-0.5B or Qwen2.5-1.5B (hidden
-size, layers, heads, KV heads, intermediate size, tied embeddings, RoPE theta) and Qwen2.5's padded
-vocabulary of 151936 rows, so parameter count, lm_head FLOPs and memory match the real models. The
-tokenizer is a byte-level BPE trained on the synthetic corpus (16384 entries plus the Qwen chat
-special tokens), so only the first ~16k rows of the embedding are ever looked up; the softmax still
-runs over all 151936 logits, as it does for the real model.
+Nothing comes from a hub. The model has the exact shape of Qwen2.5-0.5B, -1.5B, -3B or -7B (hidden
+size, layers, heads, KV heads, intermediate size, tied or untied embeddings, RoPE theta) and that
+model's padded vocabulary (151936 rows; 152064 for 7B), so parameter count, lm_head FLOPs and
+memory match the real models. The tokenizer is the tiny model's byte-level BPE
+(roles/tiny_model/files/make_tiny_model.py, imported, not copied) trained on the synthetic corpus
+(16384 entries plus the Qwen chat special tokens), so only the first ~16k rows of the embedding are
+ever looked up; the softmax still runs over all the logits, as it does for the real model.
 
 The dataset is deterministic (seeded) alpaca JSON with realistic, long-tailed lengths: a log-normal
 response length (median 75 words). With the qwen template and this tokenizer a sample has 347 tokens
@@ -22,25 +23,41 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
+from unittest import mock
 
 SEED = 1234
 TOKENIZER_VOCAB = 16384
 MODEL_VOCAB = 151936
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 DATASET_NAME = "synth_alpaca"
+# The tiny model's generator: its tokenizer builder is the one this benchmark uses.
+TINY_MODEL_SCRIPT = (
+    Path(__file__).resolve().parents[1] / "roles/tiny_model/files/make_tiny_model.py"
+)
 
 # Shapes from the published Qwen2.5 config.json files (hidden_size, num_hidden_layers,
-# num_attention_heads, num_key_value_heads, intermediate_size); all tie word embeddings.
+# num_attention_heads, num_key_value_heads, intermediate_size, vocab_size, tie_word_embeddings):
+# up to 3B the embedding is tied to the lm_head; 7B has its own lm_head and 128 more vocab rows.
 SHAPES: dict[str, dict[str, int]] = {
     "0.5b": {"hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "intermediate": 4864},
     "1.5b": {"hidden": 1536, "layers": 28, "heads": 12, "kv_heads": 2, "intermediate": 8960},
     "3b": {"hidden": 2048, "layers": 36, "heads": 16, "kv_heads": 2, "intermediate": 11008},
+    "7b": {
+        "hidden": 3584,
+        "layers": 28,
+        "heads": 28,
+        "kv_heads": 4,
+        "intermediate": 18944,
+        "vocab": 152064,
+        "tied": 0,
+    },
     # A few thousand parameters: for CPU smoke tests of the bench scripts only.
     "tiny": {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 128},
 }
@@ -114,43 +131,42 @@ def write_dataset(data_dir: Path, samples: int) -> Path:
     return path
 
 
-def build_tokenizer(out_dir: Path, corpus_samples: int = 3000) -> Any:  # noqa: ANN401
-    """Train a byte-level BPE on the synthetic corpus and save it as a fast tokenizer."""
-    # Deferred: the dataset part of this script needs neither library.
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
-    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
+def _tiny_model_module() -> ModuleType:
+    """Load roles/tiny_model/files/make_tiny_model.py (a script, not a package) as a module."""
+    spec = importlib.util.spec_from_file_location("make_tiny_model", TINY_MODEL_SCRIPT)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"cannot load the tokenizer builder {TINY_MODEL_SCRIPT}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    corpus = (
+
+def build_tokenizer(out_dir: Path, corpus_samples: int = 3000) -> Any:  # noqa: ANN401
+    """Train the tiny model's byte-level BPE on the synthetic corpus and save it beside the model.
+
+    The role's builder trains on its own corpus(lines); for this benchmark it reads the synthetic
+    records instead, so that the tokenizer fits the data it will tokenize.
+    """
+    tiny = _tiny_model_module()
+    texts = [
         " ".join((r["instruction"], r["input"], r["output"]))
         for r in synth_samples(corpus_samples, seed=SEED + 1)
-    )
-    tok.train_from_iterator(corpus, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
-        model_max_length=32768,
-    )
+    ]
+    with mock.patch.object(tiny, "corpus", return_value=texts):
+        fast = tiny.build_tokenizer(TOKENIZER_VOCAB, len(texts))
     fast.save_pretrained(out_dir)
     return fast
 
 
-def build_model(size: str, out_dir: Path, device: str, vocab: int = MODEL_VOCAB) -> int:
-    """Save a random-initialised bf16 Qwen2ForCausalLM of the given shape; return its size."""
+def build_model(
+    size: str, out_dir: Path, device: str, vocab: int | None = None, dtype: str = "bfloat16"
+) -> int:
+    """Save a random-initialised Qwen2ForCausalLM of the given shape (bf16); return its size."""
     import torch  # noqa: PLC0415
     from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: PLC0415
 
-    shape = SHAPES[size]
+    shape = {"vocab": MODEL_VOCAB, "tied": 1, **SHAPES[size]}
+    vocab = vocab or shape["vocab"]
     config = Qwen2Config(
         vocab_size=vocab,
         hidden_size=shape["hidden"],
@@ -161,7 +177,7 @@ def build_model(size: str, out_dir: Path, device: str, vocab: int = MODEL_VOCAB)
         max_position_embeddings=32768,
         rope_theta=1000000.0,
         rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
+        tie_word_embeddings=bool(shape["tied"]),
         hidden_act="silu",
         initializer_range=0.02,
         bos_token_id=None,
@@ -171,11 +187,11 @@ def build_model(size: str, out_dir: Path, device: str, vocab: int = MODEL_VOCAB)
     torch.manual_seed(SEED)
     with torch.device(device):
         model = Qwen2ForCausalLM(config)
-    model = model.to(torch.bfloat16)
+    model = model.to(getattr(torch, dtype))
     n_params = sum(p.numel() for p in model.parameters())
     model.save_pretrained(out_dir, safe_serialization=True)
     (out_dir / "bench_model.json").write_text(
-        json.dumps({"size": size, "n_params": n_params, **shape, "vocab": vocab}, indent=2)
+        json.dumps({"size": size, "n_params": n_params, **shape, "vocab": vocab}, indent=2) + "\n"
     )
     return n_params
 
@@ -189,15 +205,18 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=12000)
     parser.add_argument("--device", default="cpu", help="where to initialise the weights")
     parser.add_argument(
-        "--vocab", type=int, default=MODEL_VOCAB, help="model vocabulary (smaller for CPU tests)"
+        "--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="of the saved weights"
+    )
+    parser.add_argument(
+        "--vocab", type=int, help="model vocabulary (default: the shape's; smaller for CPU tests)"
     )
     args = parser.parse_args()
 
     args.out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(args.out)
-    n_params = build_model(args.size, args.out, args.device, args.vocab)
+    n_params = build_model(args.size, args.out, args.device, args.vocab, args.dtype)
     print(f"model {args.size}: {n_params / 1e6:.1f} M parameters -> {args.out}")
-    print(f"tokenizer: {len(tok)} entries (model vocab {args.vocab}), pad={tok.pad_token_id}")
+    print(f"tokenizer: {len(tok)} entries, pad={tok.pad_token_id}")
     if args.data_dir:
         path = write_dataset(args.data_dir, args.samples)
         print(f"dataset: {args.samples} samples -> {path}")
