@@ -50,8 +50,11 @@ KEYS = [
 
 
 def probe(check_inventory: str) -> list[dict]:
-    """The probe playbook, importing the inventory check from `check_inventory`."""
-    values = "{{ dict(probe_keys | zip(%s)) | to_json }}"
+    """The probe playbook, importing the inventory check from `check_inventory`; it writes one
+    JSON file: each node's values as its own play sees them, as the controller sees them through
+    hostvars, and the controller's own."""
+    own = "dict(probe_keys | zip(query('ansible.builtin.vars', *probe_keys)))"
+    through_hostvars = "dict(probe_keys | zip(probe_keys | map('extract', hostvars[item])))"
     return [
         {"name": "Probe | Check the inventory", "ansible.builtin.import_playbook": check_inventory},
         {
@@ -60,12 +63,8 @@ def probe(check_inventory: str) -> list[dict]:
             "gather_facts": False,
             "tasks": [
                 {
-                    "name": "Probe | Write this node's values",
-                    "ansible.builtin.copy": {
-                        "dest": "{{ probe_out }}/{{ inventory_hostname }}.json",
-                        "content": values % "query('ansible.builtin.vars', *probe_keys)",
-                        "mode": "0644",
-                    },
+                    "name": "Probe | Keep this node's values",
+                    "ansible.builtin.set_fact": {"probe_seen": "{{ " + own + " }}"},
                 }
             ],
         },
@@ -75,20 +74,22 @@ def probe(check_inventory: str) -> list[dict]:
             "gather_facts": False,
             "tasks": [
                 {
-                    "name": "Probe | Write every node's values as hostvars has them",
-                    "ansible.builtin.copy": {
-                        "dest": "{{ probe_out }}/hostvars-{{ item }}.json",
-                        "content": values % "probe_keys | map('extract', hostvars[item])",
-                        "mode": "0644",
+                    "name": "Probe | Read every node's values through hostvars",
+                    "ansible.builtin.set_fact": {
+                        "probe_hostvars": "{{ probe_hostvars | default({}) | combine({item: "
+                        + through_hostvars
+                        + "}) }}"
                     },
                     "loop": "{{ groups['cluster'] }}",
                 },
                 {
-                    "name": "Probe | Write the controller's own values",
+                    "name": "Probe | Write what was seen",
                     "ansible.builtin.copy": {
-                        "dest": "{{ probe_out }}/controller.json",
-                        "content": "{{ {'project_dir': project_dir,"
-                        " 'controller_runs_dir': controller_runs_dir} | to_json }}",
+                        "dest": "{{ probe_out }}/seen.json",
+                        "content": "{{ {'node': dict(groups['cluster'] | zip(groups['cluster']"
+                        " | map('extract', hostvars, 'probe_seen'))), 'hostvars': probe_hostvars,"
+                        " 'controller': {'project_dir': project_dir,"
+                        " 'controller_runs_dir': controller_runs_dir}} | to_json }}",
                         "mode": "0644",
                     },
                 },
@@ -191,13 +192,13 @@ def run_probe(playbook: Path, inventory: Path, out: Path) -> dict[str, dict]:
 
 
 def read(out: Path) -> dict[str, dict]:
-    return {f.stem: json.loads(f.read_text()) for f in out.glob("*.json")}
+    return json.loads((out / "seen.json").read_text())
 
 
 def assert_seeds_values(seen: dict[str, dict]) -> None:
     # The group cluster was made from master + workers: the node play ran on both.
-    for view in ("", "hostvars-"):
-        master, worker = seen[f"{view}master"], seen[f"{view}worker1"]
+    for view in ("node", "hostvars"):
+        master, worker = seen[view]["master"], seen[view]["worker1"]
         for node in (master, worker):
             assert node["cluster_accelerator"] == "cpu"  # [all:vars]
             assert node["cuda_version"] == "cpu"  # the default follows, per host
@@ -212,8 +213,8 @@ def assert_seeds_values(seen: dict[str, dict]) -> None:
 
 
 def assert_yaml_values(seen: dict[str, dict]) -> None:
-    for view in ("", "hostvars-"):
-        n1, n2 = seen[f"{view}n1"], seen[f"{view}n2"]
+    for view in ("node", "hostvars"):
+        n1, n2 = seen[view]["n1"], seen[view]["n2"]
         for node in (n1, n2):
             assert node["cluster_accelerator"] == "cpu"  # group_vars/all.yml beside it
             assert node["cuda_version"] == "cpu"

@@ -308,6 +308,8 @@ def inventory_report(
     inventory is fine) and a message that lists them with what was expected and found."""
     problems = _group_problems(groups)
     nodes = cluster_nodes(groups)
+    # Ansible computes a host's variables on every hostvars[host]: once per node is enough.
+    hostvars = {host: hostvars[host] for host in nodes}
     settings: dict[str, dict[str, Any]] = {}
     for host in nodes:
         settings[host], host_problems = _host_settings(host, hostvars)
