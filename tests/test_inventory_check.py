@@ -106,18 +106,6 @@ def test_no_nodes(tmp_path: Path):
     assert "Found master: no such group; workers: no such group" in out
 
 
-def test_no_master(tmp_path: Path):
-    out = refused("train.yml", ini(tmp_path, "[workers]\na\nb"), "-e", "model=tiny")
-    assert "The group 'master' must hold exactly one host (found: none)" in out
-    assert "Found master: no such group; workers: a, b; cluster: none" in out
-
-
-def test_two_masters(tmp_path: Path):
-    out = refused("playbooks/check.yml", ini(tmp_path, "[master]\na\nb\n[workers]\nc"))
-    assert "The group 'master' must hold exactly one host (found: a, b)" in out
-    assert "the others in 'workers'" in out
-
-
 def test_a_node_in_neither_master_nor_workers(tmp_path: Path):
     inventory = {
         "all": {
@@ -137,103 +125,130 @@ def test_a_node_in_neither_master_nor_workers(tmp_path: Path):
     assert "Found master: a; workers: b; cluster: c, a, b" in out
 
 
-def test_a_node_in_both_master_and_workers(tmp_path: Path):
-    out = refused("playbooks/status.yml", ini(tmp_path, "[master]\na\n[workers]\na\nb"))
-    assert "a in both 'master' and 'workers'" in out
-
-
-def test_workers_outside_the_cluster_group(tmp_path: Path):
-    out = refused(
+# (playbook, INI inventory, extra arguments, what the message must say): each case on another
+# playbook, so that the first play of every one is proven.
+INI_CASES = {
+    "no_master": (
+        "train.yml",
+        "[workers]\na\nb",
+        ["-e", "model=tiny"],
+        [
+            "The group 'master' must hold exactly one host (found: none)",
+            "Found master: no such group; workers: a, b; cluster: none",
+        ],
+    ),
+    "two_masters": (
+        "playbooks/check.yml",
+        "[master]\na\nb\n[workers]\nc",
+        [],
+        ["The group 'master' must hold exactly one host (found: a, b)", "the others in 'workers'"],
+    ),
+    "a_node_in_both_master_and_workers": (
+        "playbooks/status.yml",
+        "[master]\na\n[workers]\na\nb",
+        [],
+        ["a in both 'master' and 'workers'"],
+    ),
+    "nodes_outside_or_only_in_the_cluster_group": (
         "playbooks/stop.yml",
-        ini(tmp_path, "[master]\na\n[workers]\nb\n[cluster:children]\nmaster\n[cluster]\nx"),
-    )
-    assert "b in 'master' or 'workers' but not in 'cluster'" in out
-    assert "x in 'cluster' but neither in 'master' nor in 'workers'" in out
-
-
-def test_nodes_that_disagree_on_the_accelerator(tmp_path: Path):
+        "[master]\na\n[workers]\nb\n[cluster:children]\nmaster\n[cluster]\nx",
+        [],
+        [
+            "b in 'master' or 'workers' but not in 'cluster'",
+            "x in 'cluster' but neither in 'master' nor in 'workers'",
+        ],
+    ),
     # Issue 13: train.yml planned the master for bf16 GPUs and failed after launch.
-    inventory = ini(
-        tmp_path,
+    "nodes_that_disagree_on_the_accelerator": (
+        "train.yml",
         "[master]\na\n[workers]\nb cluster_accelerator=nvidia\n[all:vars]\ncluster_accelerator=cpu",
-    )
-    out = refused("train.yml", inventory, "-e", "model=tiny")
-    assert "Settings differ between nodes: cluster_accelerator ('cpu' on a; 'nvidia' on b)" in out
-    assert "cuda_version ('cpu' on a; '" in out  # the default follows each host's accelerator
-    assert "set each once for the whole cluster" in out
-
-
-def test_the_master_must_be_rank_zero(tmp_path: Path):
-    inventory = ini(tmp_path, "[master]\na node_rank=1\n[workers]\nb node_rank=0")
-    out = refused("playbooks/logs.yml", inventory)
-    assert "The master a has node_rank 1; the master must be rank 0." in out
-
-
-def test_two_nodes_with_one_rank(tmp_path: Path):
-    inventory = ini(tmp_path, "[master]\na node_rank=0\n[workers]\nb node_rank=2\nc node_rank=2")
-    out = refused("playbooks/export.yml", inventory)
-    assert "b and c both have node_rank 2; ranks must be unique." in out
-
-
-def test_node_rank_on_some_hosts_only(tmp_path: Path):
-    inventory = ini(tmp_path, "[master]\na node_rank=0\n[workers]\nb\nc node_rank=1")
-    out = refused("provision.yml", inventory)
-    assert "Some hosts set node_rank but b do not: set it on every host or none." in out
-
-
-def test_zero_processes_per_node(tmp_path: Path):
+        ["-e", "model=tiny"],
+        [
+            "Settings differ between nodes: cluster_accelerator ('cpu' on a; 'nvidia' on b)",
+            "cuda_version ('cpu' on a; '",  # the default follows each host's accelerator
+            "set each once for the whole cluster",
+        ],
+    ),
+    "the_master_must_be_rank_zero": (
+        "playbooks/logs.yml",
+        "[master]\na node_rank=1\n[workers]\nb node_rank=0",
+        [],
+        ["The master a has node_rank 1; the master must be rank 0."],
+    ),
+    "two_nodes_with_one_rank": (
+        "playbooks/export.yml",
+        "[master]\na node_rank=0\n[workers]\nb node_rank=2\nc node_rank=2",
+        [],
+        ["b and c both have node_rank 2; ranks must be unique."],
+    ),
+    "node_rank_on_some_hosts_only": (
+        "provision.yml",
+        "[master]\na node_rank=0\n[workers]\nb\nc node_rank=1",
+        [],
+        ["Some hosts set node_rank but b do not: set it on every host or none."],
+    ),
     # Issue 13: nproc_per_node 0 gave world size 0.
-    inventory = ini(tmp_path, "[master]\na\n[workers]\nb\n[all:vars]\nnproc_per_node=0")
-    out = refused("train.yml", inventory, "-e", "model=tiny")
-    for host in ("a", "b"):
-        assert f"nproc_per_node of {host} is 0: allowed is a whole number >= 1" in out
-
-
-def test_bad_gpu_numbers_are_all_listed(tmp_path: Path):
-    inventory = ini(
-        tmp_path,
+    "zero_processes_per_node": (
+        "train.yml",
+        "[master]\na\n[workers]\nb\n[all:vars]\nnproc_per_node=0",
+        ["-e", "model=tiny"],
+        [
+            "nproc_per_node of a is 0: allowed is a whole number >= 1",
+            "nproc_per_node of b is 0: allowed is a whole number >= 1",
+        ],
+    ),
+    "bad_gpu_numbers_are_all_listed": (
+        "playbooks/check.yml",
         "[master]\na nproc_per_node=-2 gpu_ids=[0,0]\n"
         "[workers]\nb gpu_ids=all node_rank=x\nc nproc_per_node=4 gpu_ids=[0,1]",
-    )
-    out = refused("playbooks/check.yml", inventory)
-    assert "nproc_per_node of a is -2: allowed is a whole number >= 1" in out
-    assert "gpu_ids of a is [0, 0]: allowed is a non-empty list of distinct GPU indexes" in out
-    assert "gpu_ids of b is 'all': allowed is a non-empty list" in out
-    assert "node_rank of b is 'x': allowed is a whole number >= 0" in out
-    assert "nproc_per_node of c is 4, but gpu_ids gives it 2 GPUs ([0, 1])" in out
-
-
-def test_ports_out_of_range_or_reversed(tmp_path: Path):
-    inventory = ini(
-        tmp_path,
+        [],
+        [
+            "nproc_per_node of a is -2: allowed is a whole number >= 1",
+            "gpu_ids of a is [0, 0]: allowed is a non-empty list of distinct GPU indexes",
+            "gpu_ids of b is 'all': allowed is a non-empty list",
+            "node_rank of b is 'x': allowed is a whole number >= 0",
+            "nproc_per_node of c is 4, but gpu_ids gives it 2 GPUs ([0, 1])",
+        ],
+    ),
+    "ports_out_of_range_or_reversed": (
+        "playbooks/wiring.yml",
         "[master]\na\n[workers]\nb\n[all:vars]\nmaster_port=80\n"
         "nccl_port_range_start=41000\nnccl_port_range_end=40000",
-    )
-    out = refused("playbooks/wiring.yml", inventory)
-    assert "master_port of a is 80: allowed is a port from 1024 to 65535" in out
-    assert "master_port of b is 80" in out
-    assert "nccl_port_range_start of a (41000) is above nccl_port_range_end (40000)" in out
-
-
-def test_ports_inside_the_nccl_range(tmp_path: Path):
-    inventory = ini(
-        tmp_path,
+        [],
+        [
+            "master_port of a is 80: allowed is a port from 1024 to 65535",
+            "master_port of b is 80",
+            "nccl_port_range_start of a (41000) is above nccl_port_range_end (40000)",
+        ],
+    ),
+    "ports_inside_the_nccl_range": (
+        "playbooks/status.yml",
         "[master]\na\n[workers]\nb\n[all:vars]\nmaster_port=30500\nrendezvous_port=30600\n"
         "nccl_port_range_start=30000\nnccl_port_range_end=30999",
-    )
-    out = refused("playbooks/status.yml", inventory)
-    assert "master_port of a (30500) is inside the NCCL port range 30000-30999" in out
-    assert "rendezvous_port of a (30600) is inside the NCCL port range 30000-30999" in out
-
-
-def test_a_bad_address_and_a_bad_accelerator(tmp_path: Path):
-    inventory = ini(
-        tmp_path,
+        [],
+        [
+            "master_port of a (30500) is inside the NCCL port range 30000-30999",
+            "rendezvous_port of a (30600) is inside the NCCL port range 30000-30999",
+        ],
+    ),
+    "a_bad_address_and_a_bad_accelerator": (
+        "playbooks/stop.yml",
         "[master]\na cluster_address=10.0.0.300\n[workers]\nb\n[all:vars]\ncluster_accelerator=gpu",
-    )
-    out = refused("playbooks/stop.yml", inventory)
-    assert "cluster_address of a is '10.0.0.300': allowed is an IP address" in out
-    assert "cluster_accelerator of a is 'gpu': allowed is nvidia or cpu" in out
+        [],
+        [
+            "cluster_address of a is '10.0.0.300': allowed is an IP address",
+            "cluster_accelerator of a is 'gpu': allowed is nvidia or cpu",
+        ],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", INI_CASES)
+def test_a_bad_ini_inventory_is_refused_with_the_fix(case: str, tmp_path: Path):
+    playbook, text, extra, messages = INI_CASES[case]
+    out = refused(playbook, ini(tmp_path, text), *extra)
+    for message in messages:
+        assert message in out
 
 
 def test_the_check_runs_under_limit_without_contacting_a_node(tmp_path: Path):
