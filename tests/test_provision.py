@@ -64,7 +64,6 @@ class Lab:
         self.out.mkdir()
         pci = root / "pci"
         pci.mkdir()
-        (root / "group_vars").symlink_to(PROJECT / "group_vars")
         inventory = {
             "all": {
                 "children": {

@@ -24,6 +24,12 @@ def test_master_is_rank_zero_and_workers_follow_inventory_order():
     assert cluster.cluster_ranks(groups(["b"], ["c", "a"]), hosts) == {"b": 0, "c": 1, "a": 2}
 
 
+def test_without_a_cluster_group_master_and_workers_are_ranked():
+    hosts = {h: {} for h in ("m", "w1", "w2")}
+    inventory = {"master": ["m"], "workers": ["w1", "w2"]}
+    assert cluster.cluster_ranks(inventory, hosts) == {"m": 0, "w1": 1, "w2": 2}
+
+
 def test_explicit_node_ranks_are_used():
     hosts = {"a": {"node_rank": 0}, "b": {"node_rank": 2}, "c": {"node_rank": "1"}}
     assert cluster.cluster_ranks(groups(["a"], ["b", "c"]), hosts) == {"a": 0, "b": 2, "c": 1}
@@ -44,7 +50,11 @@ def test_explicit_node_ranks_are_used():
         (groups(["a"], ["b"]), {"a": {"node_rank": 1}, "b": {"node_rank": 0}}, "must be rank 0"),
         (groups(["a"], ["b"]), {"a": {"node_rank": 0}, "b": {"node_rank": 0}}, "both have"),
         (groups(["a"], ["b"]), {"a": {"node_rank": 0}, "b": {"node_rank": 5}}, "do not add up"),
-        (groups(["a"], ["b"]), {"a": {"node_rank": 0}, "b": {"node_rank": "x"}}, "not an integer"),
+        (
+            groups(["a"], ["b"]),
+            {"a": {"node_rank": 0}, "b": {"node_rank": "x"}},
+            "node_rank of b is 'x': allowed is a whole number >= 0",
+        ),
     ],
 )
 def test_bad_topologies_fail_with_the_fix(inventory, hostvars, message):
@@ -63,6 +73,12 @@ def test_bad_topologies_fail_with_the_fix(inventory, hostvars, message):
 )
 def test_processes_per_node(hostvars, expected):
     assert cluster.node_nproc(hostvars) == expected
+
+
+@pytest.mark.parametrize("nproc", [0, -1, "two", 1.5])
+def test_processes_per_node_must_be_a_positive_whole_number(nproc):
+    with pytest.raises(AnsibleFilterError, match="allowed is a whole number >= 1"):
+        cluster.node_nproc({"inventory_hostname": "gpu1", "nproc_per_node": nproc})
 
 
 def test_gpu_node_without_gpus_or_nproc_fails():

@@ -1,0 +1,55 @@
+"""group_vars/ and host_vars/ beside the inventory and the playbook, as host_group_vars loads them,
+except the project's own group_vars/all (llama_defaults supplies it, beneath the inventory)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from ansible.inventory.group import Group, InventoryObjectType
+from ansible.inventory.host import Host
+from ansible.parsing.dataloader import DataLoader
+from ansible.plugins.vars.host_group_vars import VarsModule as HostGroupVars
+from ansible.utils.path import basedir
+
+DOCUMENTATION = """
+    name: llama_group_vars
+    short_description: host_group_vars, without the project's defaults
+    description:
+      - Loads group_vars/ and host_vars/ beside the inventory sources and the playbooks exactly as
+        ansible.builtin.host_group_vars does, except the project's top-level group_vars/all.
+      - host_group_vars would load that directory as playbook-adjacent group_vars for the playbooks
+        in the project's root (provision.yml, train.yml), and as inventory-adjacent group_vars for
+        an inventory kept there, both above the inventory's own group variables. llama_defaults
+        supplies it instead, beneath every inventory value.
+    extends_documentation_fragment:
+      - vars_plugin_staging
+"""
+
+PROJECT_DIR = str(Path(__file__).resolve().parents[2])
+
+
+class VarsModule(HostGroupVars):
+    """host_group_vars that leaves the project's group_vars/all to llama_defaults."""
+
+    REQUIRES_ENABLED = True
+    is_stateless = True
+
+    def get_vars(
+        self,
+        loader: DataLoader,
+        path: str,
+        entities: list[Host | Group] | Host | Group,
+        cache: bool = True,
+    ) -> dict[str, Any]:
+        """Variables of `entities` from the group_vars/ and host_vars/ beside `path`."""
+        if not isinstance(entities, list):
+            entities = [entities]
+        if os.path.realpath(basedir(path)) == PROJECT_DIR:
+            entities = [
+                e
+                for e in entities
+                if not (e.base_type is InventoryObjectType.GROUP and e.name == "all")
+            ]
+        return super().get_vars(loader, path, entities, cache=cache)

@@ -1,0 +1,362 @@
+"""Every playbook refuses an inventory that does not add up, in its first play, on the controller,
+before any node is touched; the rules themselves, case by case (plugins/filter/cluster.py).
+
+The nodes of these inventories do not exist: ansible_host 127.0.0.1 on port 9, where nothing
+listens, so a playbook that got past the check would stop on "UNREACHABLE" instead of the
+message asserted here, and the recap would list the node.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
+SPEC = importlib.util.spec_from_file_location("cluster", ROOT / "plugins/filter/cluster.py")
+cluster = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(cluster)
+
+GHOST = "ansible_host=127.0.0.1 ansible_port=9"
+
+
+def ini(tmp: Path, text: str) -> Path:
+    """An INI inventory whose host lines get GHOST's address appended."""
+    lines, section = [], ""
+    for line in text.strip().splitlines():
+        if line.startswith("["):
+            section = line
+        host_line = not line.startswith("[") and not section.endswith((":vars]", ":children]"))
+        lines.append(f"{line} {GHOST}" if host_line else line)
+    path = tmp / "hosts.ini"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def yaml_inventory(tmp: Path, inventory: dict) -> Path:
+    path = tmp / "hosts.yml"
+    path.write_text(json.dumps(inventory))
+    return path
+
+
+def ghost() -> dict:
+    return {"ansible_host": "127.0.0.1", "ansible_port": 9}
+
+
+def run(playbook: str, inventory: Path, *extra: str) -> tuple[int, str]:
+    done = subprocess.run(
+        [str(ANSIBLE_PLAYBOOK), "-i", str(inventory), playbook, *extra],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+        env={
+            "ANSIBLE_NOCOLOR": "1",
+            "ANSIBLE_STDOUT_CALLBACK": "ansible.builtin.default",
+            "PATH": "/usr/bin:/bin",
+            "HOME": str(inventory.parent),
+        },
+    )
+    return done.returncode, done.stdout + done.stderr
+
+
+def recap(out: str) -> dict[str, dict[str, int]]:
+    """The play recap: host -> counters."""
+    tail = out.rsplit("PLAY RECAP", maxsplit=1)[-1]
+    rows = re.findall(r"^(\S+)\s+: ((?:\w+=\d+\s*)+)$", tail, re.M)
+    return {
+        host: {k: int(v) for k, v in (pair.split("=") for pair in counters.split())}
+        for host, counters in rows
+    }
+
+
+def refused(playbook: str, inventory: Path, *extra: str) -> str:
+    """Run `playbook`, assert that the inventory check refused it on localhost alone."""
+    rc, out = run(playbook, inventory, *extra)
+    assert rc != 0, out[-3000:]
+    assert "does not describe a cluster" in out, out[-3000:]
+    assert "UNREACHABLE" not in out, "a node was contacted"
+    assert recap(out) == {
+        "localhost": {
+            "ok": recap(out)["localhost"]["ok"],
+            "changed": 0,
+            "unreachable": 0,
+            "failed": 1,
+            "skipped": 0,
+            "rescued": 0,
+            "ignored": 0,
+        }
+    }, "a task ran on a node"
+    return " ".join(out.split())
+
+
+# ---- through the playbooks: each case on another playbook, so that every one is proven -------
+def test_no_nodes(tmp_path: Path):
+    out = refused("provision.yml", yaml_inventory(tmp_path, {"all": {"hosts": {}}}))
+    assert "The inventory has no nodes: no hosts in the group 'cluster'" in out
+    assert "Start the lab (ansible-playbook playbooks/lab.yml)" in out
+    assert "Expected exactly one host in the group 'master' (node rank 0)" in out
+    assert "Found master: no such group; workers: no such group" in out
+
+
+def test_a_node_in_neither_master_nor_workers(tmp_path: Path):
+    inventory = {
+        "all": {
+            "children": {
+                "cluster": {
+                    "hosts": {"c": ghost()},
+                    "children": {
+                        "master": {"hosts": {"a": ghost()}},
+                        "workers": {"hosts": {"b": ghost()}},
+                    },
+                }
+            }
+        }
+    }
+    out = refused("playbooks/wiring.yml", yaml_inventory(tmp_path, inventory))
+    assert "c in 'cluster' but neither in 'master' nor in 'workers'" in out
+    assert "Found master: a; workers: b; cluster: c, a, b" in out
+
+
+# (playbook, INI inventory, extra arguments, what the message must say): each case on another
+# playbook, so that the first play of every one is proven.
+INI_CASES = {
+    "no_master": (
+        "train.yml",
+        "[workers]\na\nb",
+        ["-e", "model=tiny"],
+        [
+            "The group 'master' must hold exactly one host (found: none)",
+            "Found master: no such group; workers: a, b; cluster: none",
+        ],
+    ),
+    "two_masters": (
+        "playbooks/check.yml",
+        "[master]\na\nb\n[workers]\nc",
+        [],
+        ["The group 'master' must hold exactly one host (found: a, b)", "the others in 'workers'"],
+    ),
+    "a_node_in_both_master_and_workers": (
+        "playbooks/status.yml",
+        "[master]\na\n[workers]\na\nb",
+        [],
+        ["a in both 'master' and 'workers'"],
+    ),
+    "nodes_outside_or_only_in_the_cluster_group": (
+        "playbooks/stop.yml",
+        "[master]\na\n[workers]\nb\n[cluster:children]\nmaster\n[cluster]\nx",
+        [],
+        [
+            "b in 'master' or 'workers' but not in 'cluster'",
+            "x in 'cluster' but neither in 'master' nor in 'workers'",
+        ],
+    ),
+    # Issue 13: train.yml planned the master for bf16 GPUs and failed after launch.
+    "nodes_that_disagree_on_the_accelerator": (
+        "train.yml",
+        "[master]\na\n[workers]\nb cluster_accelerator=nvidia\n[all:vars]\ncluster_accelerator=cpu",
+        ["-e", "model=tiny"],
+        [
+            "Settings differ between nodes: cluster_accelerator ('cpu' on a; 'nvidia' on b)",
+            "cuda_version ('cpu' on a; '",  # the default follows each host's accelerator
+            "set each once for the whole cluster",
+        ],
+    ),
+    "the_master_must_be_rank_zero": (
+        "playbooks/logs.yml",
+        "[master]\na node_rank=1\n[workers]\nb node_rank=0",
+        [],
+        ["The master a has node_rank 1; the master must be rank 0."],
+    ),
+    "two_nodes_with_one_rank": (
+        "playbooks/export.yml",
+        "[master]\na node_rank=0\n[workers]\nb node_rank=2\nc node_rank=2",
+        [],
+        ["b and c both have node_rank 2; ranks must be unique."],
+    ),
+    "node_rank_on_some_hosts_only": (
+        "provision.yml",
+        "[master]\na node_rank=0\n[workers]\nb\nc node_rank=1",
+        [],
+        ["Some hosts set node_rank but b do not: set it on every host or none."],
+    ),
+    # Issue 13: nproc_per_node 0 gave world size 0.
+    "zero_processes_per_node": (
+        "train.yml",
+        "[master]\na\n[workers]\nb\n[all:vars]\nnproc_per_node=0",
+        ["-e", "model=tiny"],
+        [
+            "nproc_per_node of a is 0: allowed is a whole number >= 1",
+            "nproc_per_node of b is 0: allowed is a whole number >= 1",
+        ],
+    ),
+    "bad_gpu_numbers_are_all_listed": (
+        "playbooks/check.yml",
+        "[master]\na nproc_per_node=-2 gpu_ids=[0,0]\n"
+        "[workers]\nb gpu_ids=all node_rank=x\nc nproc_per_node=4 gpu_ids=[0,1]",
+        [],
+        [
+            "nproc_per_node of a is -2: allowed is a whole number >= 1",
+            "gpu_ids of a is [0, 0]: allowed is a non-empty list of distinct GPU indexes",
+            "gpu_ids of b is 'all': allowed is a non-empty list",
+            "node_rank of b is 'x': allowed is a whole number >= 0",
+            "nproc_per_node of c is 4, but gpu_ids gives it 2 GPUs ([0, 1])",
+        ],
+    ),
+    "ports_out_of_range_or_reversed": (
+        "playbooks/wiring.yml",
+        "[master]\na\n[workers]\nb\n[all:vars]\nmaster_port=80\n"
+        "nccl_port_range_start=41000\nnccl_port_range_end=40000",
+        [],
+        [
+            "master_port of a is 80: allowed is a port from 1024 to 65535",
+            "master_port of b is 80",
+            "nccl_port_range_start of a (41000) is above nccl_port_range_end (40000)",
+        ],
+    ),
+    "ports_inside_the_nccl_range": (
+        "playbooks/status.yml",
+        "[master]\na\n[workers]\nb\n[all:vars]\nmaster_port=30500\nrendezvous_port=30600\n"
+        "nccl_port_range_start=30000\nnccl_port_range_end=30999",
+        [],
+        [
+            "master_port of a (30500) is inside the NCCL port range 30000-30999",
+            "rendezvous_port of a (30600) is inside the NCCL port range 30000-30999",
+        ],
+    ),
+    "a_bad_address_and_a_bad_accelerator": (
+        "playbooks/stop.yml",
+        "[master]\na cluster_address=10.0.0.300\n[workers]\nb\n[all:vars]\ncluster_accelerator=gpu",
+        [],
+        [
+            "cluster_address of a is '10.0.0.300': allowed is an IP address",
+            "cluster_accelerator of a is 'gpu': allowed is nvidia or cpu",
+        ],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", INI_CASES)
+def test_a_bad_ini_inventory_is_refused_with_the_fix(case: str, tmp_path: Path):
+    playbook, text, extra, messages = INI_CASES[case]
+    out = refused(playbook, ini(tmp_path, text), *extra)
+    for message in messages:
+        assert message in out
+
+
+def test_the_check_runs_under_limit_without_contacting_a_node(tmp_path: Path):
+    rc, out = run("playbooks/check.yml", ini(tmp_path, "[master]\na\nb\n[workers]\nc"), "-l", "c")
+    assert rc != 0
+    assert "The group 'master' must hold exactly one host (found: a, b)" in " ".join(out.split())
+    assert "UNREACHABLE" not in out
+    assert recap(out)["c"]["failed"] == 1
+
+
+def test_master_and_workers_without_a_cluster_group_are_the_cluster(tmp_path: Path):
+    # Issue 13: check.yml "passed" in 0 s on such an inventory, having matched no host. Now it
+    # runs on both nodes (which do not exist, hence unreachable).
+    rc, out = run("playbooks/check.yml", ini(tmp_path, "[master]\nmaster\n[workers]\nworker1"))
+    assert rc != 0
+    assert "does not describe a cluster" not in out
+    rows = recap(out)
+    assert rows["master"]["unreachable"] == 1
+    assert rows["worker1"]["unreachable"] == 1
+
+
+# ---- the rules, case by case -----------------------------------------------------------------
+def groups(master: list[str], workers: list[str], **others: list[str]) -> dict[str, list[str]]:
+    return {"all": master + workers, "master": master, "workers": workers, **others}
+
+
+@pytest.mark.parametrize(
+    ("settings", "problem"),
+    [
+        ({"nproc_per_node": 0}, "nproc_per_node of a is 0: allowed is a whole number >= 1"),
+        ({"nproc_per_node": True}, "nproc_per_node of a is true: allowed"),
+        ({"nproc_per_node": 1.5}, "nproc_per_node of a is 1.5: allowed"),
+        ({"nproc_per_node": "two"}, "nproc_per_node of a is 'two': allowed"),
+        ({"node_rank": -1}, "node_rank of a is -1: allowed is a whole number >= 0"),
+        ({"gpu_ids": []}, "gpu_ids of a is []: allowed is a non-empty list"),
+        ({"gpu_ids": [0, -1]}, "gpu_ids of a is [0, -1]: allowed"),
+        ({"gpu_ids": {"0": 1}}, 'gpu_ids of a is {"0": 1}: allowed'),
+        ({"master_port": 65536}, "master_port of a is 65536: allowed is a port from 1024"),
+        ({"master_port": 0}, "master_port of a is 0: allowed"),
+        ({"rendezvous_port": 22}, "rendezvous_port of a is 22: allowed is 0 (none) or a port"),
+        ({"nccl_port_range_end": "x"}, "nccl_port_range_end of a is 'x': allowed"),
+        ({"cluster_address": "gpu-a.lan"}, "cluster_address of a is 'gpu-a.lan': allowed is an IP"),
+        ({"cluster_accelerator": "rocm"}, "cluster_accelerator of a is 'rocm': allowed"),
+        ({"nproc_per_node": 3, "gpu_ids": [0, 1]}, "nproc_per_node of a is 3, but gpu_ids"),
+        (
+            {"master_port": 40000, "nccl_port_range_start": 40000, "nccl_port_range_end": 40999},
+            "master_port of a (40000) is inside the NCCL port range 40000-40999",
+        ),
+    ],
+)
+def test_each_number_rule_names_what_is_allowed(settings: dict, problem: str):
+    report = cluster.inventory_report(groups(["a"], []), {"a": settings})
+    assert len(report["problems"]) == 1
+    assert problem in report["problems"][0]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"nproc_per_node": "2", "gpu_ids": ["0", "1"], "node_rank": "0"},  # INI strings
+        {"nproc_per_node": 2, "gpu_ids": [3, 1, 2]},
+        {"master_port": 1024, "rendezvous_port": 0, "cluster_address": "fd00::12"},
+        {"master_port": 29500, "nccl_port_range_start": 40000, "nccl_port_range_end": 40000},
+        {"cluster_accelerator": "cpu", "cluster_address": " 10.0.0.12 "},
+    ],
+)
+def test_good_values_pass(settings: dict):
+    assert cluster.inventory_report(groups(["a"], []), {"a": settings})["problems"] == []
+
+
+def test_without_a_cluster_group_master_and_workers_are_the_nodes():
+    report = cluster.inventory_report(groups(["m"], ["w1", "w2"]), {"m": {}, "w1": {}, "w2": {}})
+    assert report["problems"] == []
+    assert report["nodes"] == ["m", "w1", "w2"]
+
+
+def test_settings_unset_on_every_node_are_not_compared():
+    hostvars = {"a": {"cuda_version": "12.8"}, "b": {}}
+    report = cluster.inventory_report(groups(["a"], ["b"]), hostvars, ["cuda_version", "x"])
+    assert report["problems"] == []
+
+
+def test_disagreements_are_one_problem_naming_each_value_and_its_nodes():
+    hostvars = {
+        "a": {"cuda_version": "12.8", "torch_matrix": {"12.8": {"torch": "2.11.0"}}},
+        "b": {"cuda_version": "12.8", "torch_matrix": {"12.8": {"torch": "2.11.0"}}},
+        "c": {"cuda_version": "12.6", "torch_matrix": {"12.8": {"torch": "2.10.0"}}},
+    }
+    report = cluster.inventory_report(
+        groups(["a"], ["b", "c"]), hostvars, ["cuda_version", "torch_matrix"]
+    )
+    assert report["problems"] == [
+        "Settings differ between nodes: cuda_version ('12.8' on a, b; '12.6' on c), "
+        'torch_matrix ({"12.8": {"torch": "2.11.0"}} on a, b; {"12.8": {"torch": "2.10.0"}} on c).'
+        " Every node must have the same: set each once for the whole cluster ([all:vars], the"
+        " group cluster, or group_vars/all.yml beside the inventory), not per host."
+    ]
+
+
+def test_the_message_lists_every_problem_then_what_was_expected_and_found():
+    report = cluster.inventory_report(
+        groups(["a", "b"], ["b"], gpus=["z"]), {"a": {}, "b": {"nproc_per_node": 0}}
+    )
+    lines = report["message"].splitlines()
+    assert lines[0].startswith("- The group 'master' must hold exactly one host (found: a, b)")
+    assert lines[1] == "- b in both 'master' and 'workers': a node is one or the other."
+    assert lines[2].startswith("- nproc_per_node of b is 0")
+    assert lines[3].startswith("Expected exactly one host in the group 'master'")
+    assert lines[4] == (
+        "Found master: a, b; workers: b; cluster: none (master + workers make it); gpus: z."
+    )
