@@ -113,7 +113,8 @@ PLAN_PLAYBOOK = [
         "name": "Render what the GPU roles would install",
         "hosts": "cluster",
         "gather_facts": False,
-        "tasks": [
+        "tasks": [{"ansible.builtin.include_role": {"name": "host_facts", "tasks_from": "os.yml"}}]
+        + [
             {"ansible.builtin.include_role": {"name": role, "tasks_from": "plan.yml"}}
             for role in ("nvidia_driver", "cuda_toolkit", "nccl")
         ]
@@ -257,6 +258,69 @@ def preflight_failure(lab: Lab, extra: dict) -> str:
     assert "changed=0" in out
     assert "changed=1" not in out
     return " ".join(out.split())
+
+
+@pytest.fixture(scope="module")
+def mixed_lab(tmp_path_factory: pytest.TempPathFactory) -> Lab:
+    return Lab(tmp_path_factory.mktemp("mixed"), SUPPORTED)
+
+
+def preflight(lab: Lab, *args: str) -> subprocess.CompletedProcess:
+    """provision.yml in check mode with a tag no role has: only the pre-flight (tags: always)."""
+    extra = json.dumps({"cluster_accelerator": "cpu"})
+    return lab.run(PROJECT / "provision.yml", "--check", "--tags", "preflight", "-e", extra, *args)
+
+
+@pytest.mark.parametrize(
+    ("limit", "plans"),
+    [
+        # Ubuntu 22.04's python3 is 3.10 (seeded): its venv takes the python3.11 package.
+        (
+            "ubuntu2204,debian12",
+            {
+                "ubuntu2204": "venv with Python 3.11 (ubuntu-22.04), lock node-py311.txt",
+                "debian12": "venv with Python 3.11 (debian-12), lock node-py311.txt",
+            },
+        ),
+        ("ubuntu2404", {"ubuntu2404": "venv with Python 3.12 (ubuntu-24.04), lock node-py312.txt"}),
+    ],
+)
+def test_preflight_passes_on_python_310_311_312_nodes_with_their_lock(
+    mixed_lab: Lab, limit: str, plans: dict[str, str]
+):
+    proc = preflight(mixed_lab, "--limit", limit)
+    out = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for host, plan in plans.items():
+        assert f"ok: [{host}] => msg: {plan}, installer uv" in out
+    assert "changed=1" not in out
+
+
+def test_nodes_with_different_pythons_fail_naming_each_node_and_python(mixed_lab: Lab):
+    proc = preflight(mixed_lab)
+    out = " ".join(proc.stdout.split())
+    assert proc.returncode != 0
+    assert (
+        "The nodes would get different Pythons, and every node must run the same stack on the"
+        " same Python: ubuntu2204 (ubuntu-22.04) Python 3.11; ubuntu2404 (ubuntu-24.04) Python"
+        " 3.12; debian12 (debian-12) Python 3.11." in out
+    )
+    assert "python_env_backend: conda" in out
+
+
+def test_preflight_runs_with_tags_and_stops_bad_input(debian_lab: Lab):
+    proc = debian_lab.run(
+        PROJECT / "provision.yml",
+        "--check",
+        "--tags",
+        "llamafactory",
+        "-e",
+        '{"cuda_version": "11.1"}',
+    )
+    out = " ".join(proc.stdout.split())
+    assert proc.returncode != 0
+    assert "PLAY [Pre-flight | Check every node before any node changes]" in out
+    assert "cuda_version '11.1' has no entry in torch_matrix" in out
 
 
 def test_unknown_os_fails_before_any_change(tmp_path: Path):
