@@ -9,6 +9,7 @@ check mode; the roles' plan/validate tasks are read-only.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -435,3 +436,77 @@ def test_gpu_probe_finds_nvidia_gpus_on_the_pci_bus_without_a_driver(tmp_path: P
     assert result["gpus"][0]["pci_bus_id"] == "0000:17:00.0"
     assert result["driver_loaded"] is False
     assert result["driver_version"] is None
+
+
+# The installer's command line and the overlay's package list (plugins/filter/python_env.py).
+
+
+def load_filters():
+    spec = importlib.util.spec_from_file_location(
+        "python_env_filters", PROJECT / "plugins/filter/python_env.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+env_filters = load_filters()
+
+
+def test_install_argv_from_the_wheelhouse_is_offline_under_the_lock_for_uv_and_pip():
+    spec = {
+        "env_bin": "/e/bin",
+        "constraints": "/e/constraints.txt",
+        "wheelhouse": "/w",
+        "index_urls": ["https://pypi.org/simple"],
+    }
+    uv = env_filters.install_argv(["torch==2.11.0"], {**spec, "installer": "uv"})
+    assert uv == [
+        "/e/bin/uv", "pip", "install", "--python", "/e/bin/python", "--no-index",
+        "--find-links", "/w", "--constraint", "/e/constraints.txt", "torch==2.11.0",
+    ]  # fmt: skip
+    pip = env_filters.install_argv(["torch==2.11.0"], {**spec, "installer": "pip", "no_deps": True})
+    assert pip[:5] == ["/e/bin/python", "-m", "pip", "install", "--disable-pip-version-check"]
+    assert pip[5:] == [
+        "--no-index", "--find-links", "/w", "--constraint", "/e/constraints.txt", "--no-deps",
+        "torch==2.11.0",
+    ]  # fmt: skip
+
+
+def test_install_argv_from_indexes_takes_the_best_version_across_them_with_uv():
+    spec = {
+        "installer": "uv",
+        "env_bin": "/e/bin",
+        "constraints": "/c",
+        "index_urls": ["https://download.pytorch.org/whl/cu128", "https://pypi.org/simple"],
+    }
+    argv = env_filters.install_argv(["torch==2.11.0"], spec)
+    assert argv[5:11] == [
+        "--index-url", "https://download.pytorch.org/whl/cu128",
+        "--extra-index-url", "https://pypi.org/simple",
+        "--index-strategy", "unsafe-best-match",
+    ]  # fmt: skip
+    with pytest.raises(Exception, match="python_env_installer is 'conda'"):
+        env_filters.install_argv(["x==1"], {**spec, "installer": "conda"})
+
+
+def test_overlay_adds_the_locked_packages_the_wheelhouse_carries_at_their_pins():
+    lock = "# header\naccelerate==1.11.0\nnumpy==2.5.5\ntorch==2.11.0\ntyro==0.8.14\n"
+    carried = [
+        "/w/tyro-0.8.14-py3-none-any.whl",
+        "/w/accelerate-1.11.0-py3-none-any.whl",
+        "/w/numpy-2.5.2-cp312-cp312-manylinux_2_28_x86_64.whl",  # not the lock's version
+        "/w/torch-2.11.0+cu128-cp312-cp312-manylinux_2_28_x86_64.whl",
+    ]
+    assert env_filters.wheel_pins(carried[3:]) == ["torch==2.11.0"]
+    assert env_filters.carried_pins(lock, carried, exclude=["torch==2.11.0"]) == [
+        "accelerate==1.11.0",
+        "tyro==0.8.14",
+    ]
+
+
+def test_installer_changed_reads_what_uv_and_pip_report():
+    assert env_filters.installer_changed({"stderr": "Installed 3 packages in 9ms\n + a==1"}, "uv")
+    assert not env_filters.installer_changed({"stderr": "Checked 3 packages in 1ms"}, "uv")
+    assert env_filters.installer_changed({"stdout": "Successfully installed a-1\n"}, "pip")
+    assert not env_filters.installer_changed({"stdout": "Requirement already satisfied: a"}, "pip")
