@@ -16,7 +16,8 @@ setup:                ## controller: .venv + collections
 	scripts/setup-controller.sh
 
 test-env: setup       ## the node wheelhouse (CPU build) and a controller venv with the training stack
-	$(VENV)/ansible-playbook playbooks/wheelhouse.yml -e cluster_accelerator=cpu
+	$(VENV)/ansible-playbook playbooks/wheelhouse.yml -e cluster_accelerator=cpu \
+	  -e wheelhouse_python=$$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 	scripts/setup-train-venv.sh
 
 lab: setup            ## start the local lab cluster (NODES=2)
