@@ -9,7 +9,8 @@
 #       its no-op re-run.
 # Every run is the whole provision.yml from the controller's wheelhouse (filled once beforehand:
 # make test-env); "env" is the time each node spent in python_env + pytorch + llamafactory (the
-# environment's creation and fill), measured per host by bench/callback/host_times.py.
+# environment's creation and fill: apt, venv, uv's wheel, the torch trio, the stack), measured per
+# host by bench/callback/host_times.py.
 # The lab is llama-lab-$LAB_PREFIX (default e); it is removed at the end (KEEP=1 keeps the last).
 # Writes a markdown table to stdout and $RESULTS (default runs/bench-env-install/), logs beside it.
 set -euo pipefail
@@ -50,9 +51,10 @@ for i, installer in enumerate(installers, 1):
     host = next(h for h in times if h.endswith(f"-node{i}"))
     t = times[host]
     env = sum(t.get(r, 0.0) for r in ("python_env", "pytorch", "llamafactory"))
+    step = lambda name: f"{t.get('step:' + name, 0):.0f}"
     print(f"| {label} | {len(installers)} | {host} | {installer} | {float(wall):.0f} | {env:.0f} "
-          f"| {t.get('pytorch', 0):.0f} | {t.get('llamafactory', 0):.0f} "
-          f"| {t.get('wheelhouse', 0):.0f} | {recap.get(host, '?')} |")
+          f"| {step('os packages')} | {step('venv')} | {step('uv bootstrap')} | {step('torch')} "
+          f"| {step('stack')} | {t.get('wheelhouse', 0):.0f} | {recap.get(host, '?')} |")
 PY
   tail -n "$#" "$RESULTS/table.md"
 }
@@ -67,8 +69,8 @@ cold() { # cold NODES INSTALLERS...: a fresh lab of NODES nodes, a cold run and 
 }
 
 if [[ ! -s $RESULTS/table.md ]]; then
-  { echo "| run | nodes | host | installer | provision.yml s | env s | pytorch s | llamafactory s | wheelhouse sync s | changed |"
-    echo "|---|---|---|---|---|---|---|---|---|---|"; } >"$RESULTS/table.md"
+  { echo "| run | nodes | host | installer | provision.yml s | env s | apt s | venv s | uv wheel s | torch trio s | stack s | wheelhouse sync s | changed |"
+    echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|"; } >"$RESULTS/table.md"
 fi
 for phase in $phases; do
   case $phase in

@@ -510,3 +510,13 @@ def test_installer_changed_reads_what_uv_and_pip_report():
     assert not env_filters.installer_changed({"stderr": "Checked 3 packages in 1ms"}, "uv")
     assert env_filters.installer_changed({"stdout": "Successfully installed a-1\n"}, "pip")
     assert not env_filters.installer_changed({"stdout": "Requirement already satisfied: a"}, "pip")
+
+
+def test_a_python_312_cluster_wants_the_cp312_wheel_set(mixed_lab: Lab):
+    wheelhouse = mixed_lab.root / "cache" / "wheelhouse" / "cp312-pypi"
+    proc = preflight(mixed_lab, "--limit", "ubuntu2404", "-e", '{"wheelhouse_download": false}')
+    out = " ".join(proc.stdout.split())
+    assert proc.returncode != 0
+    assert f"The wheelhouse {wheelhouse} lacks" in out
+    assert "numpy==2.5.5" in out  # the 3.12 lock's numpy (3.11's is 2.4.6)
+    assert "for CPython 3.12, manylinux x86_64" in out

@@ -16,6 +16,15 @@ from ansible.inventory.host import Host
 from ansible.playbook.task import Task
 from ansible.plugins.callback import CallbackBase
 
+# Steps of the node environment, found by a part of their task names.
+STEPS = {
+    "step:os packages": "Install the OS packages the environment needs",
+    "step:venv": "Create the venv",
+    "step:uv bootstrap": "Install uv into the environment",
+    "step:torch": ": the torch trio",
+    "step:stack": ": LLaMA-Factory and DeepSpeed",
+}
+
 
 class CallbackModule(CallbackBase):
     """Adds up, per host, the time from each task's start on that host to its result."""
@@ -44,6 +53,10 @@ class CallbackModule(CallbackBase):
         per_host = self._times.setdefault(host, {})
         per_host[role] = per_host.get(role, 0.0) + seconds
         per_host["(all)"] = per_host.get("(all)", 0.0) + seconds
+        # The environment's steps, by task (an included task file counts under python_env).
+        for step, marker in STEPS.items():
+            if marker in result._task.get_name():
+                per_host[step] = per_host.get(step, 0.0) + seconds
 
     def v2_runner_on_ok(self, result: TaskResult) -> None:
         """A task ended on a host."""
