@@ -16,7 +16,8 @@ setup:                ## controller: .venv + collections
 	scripts/setup-controller.sh
 
 test-env: setup       ## the node wheelhouse (CPU build) and a controller venv with the training stack
-	$(VENV)/ansible-playbook playbooks/wheelhouse.yml -e cluster_accelerator=cpu
+	$(VENV)/ansible-playbook playbooks/wheelhouse.yml -e cluster_accelerator=cpu \
+	  -e wheelhouse_python=$$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 	scripts/setup-train-venv.sh
 
 lab: setup            ## start the local lab cluster (NODES=2)
@@ -33,11 +34,18 @@ train: setup
 
 demo: lab provision train   ## set up, start the lab, provision it, train the tiny model on 2 nodes
 
-lint: setup           ## ansible-lint (production), yamllint, ruff
+# Code that runs on the nodes must run on Python 3.10 (Ubuntu 22.04's python3): the modules in
+# library/ and every Python file the roles run or install there (roles/*/files: *.py, and files
+# whose first line is a python shebang). vermin fails on anything newer (datetime.UTC, tomllib, ...).
+NODE_PYTHON = $(shell find library roles/*/files -type f -name '*.py'; \
+  find roles/*/files -type f ! -name '*.py' -exec grep -l -m1 -e '^.!.*python' {} +)
+
+lint: setup           ## ansible-lint (production), yamllint, ruff, vermin (node-side Python 3.10)
 	$(VENV)/yamllint --strict .
 	$(VENV)/ansible-lint
 	$(VENV)/ruff check .
 	$(VENV)/ruff format --check .
+	$(VENV)/vermin --target=3.10- --violations --no-tips --no-parse-comments $(sort $(NODE_PYTHON))
 
 test-fast: test-env   ## lint + pytest without molecule scenarios
 	$(MAKE) lint

@@ -1,53 +1,57 @@
 #!/usr/bin/env bash
-# Builds the controller-side test environment that tests/test_templates.py uses to parse rendered
-# configs with LLaMA-Factory's and DeepSpeed's own parsers. Idempotent: a venv that already
-# imports the pinned stack is left alone. Offline: installs only from a local wheelhouse.
+# Builds the controller-side training venv (tests/test_templates.py parses rendered configs with
+# LLaMA-Factory's and DeepSpeed's own parsers; molecule/train mounts it into its nodes) from the
+# same lock as the nodes: every line of requirements/node-py<ver>.txt for the venv's Python, so the
+# version pins live in one place (group_vars/all, resolved by scripts/lock-node-env.py). Offline:
+# installs only from the wheelhouse of that Python, with uv (the controller venv's). Idempotent: a
+# venv built from this very lock that imports the stack is left alone.
 #
 #   LLAMA_CLUSTER_CACHE         the controller cache (default ~/.cache/llama-cluster)
 #   LLAMA_CLUSTER_TRAIN_PYTHON  python of the venv (default $LLAMA_CLUSTER_CACHE/venv-train/bin/python)
-#   LLAMA_CLUSTER_WHEELHOUSE    the wheelhouse (default: the first of the known cache locations that
-#                               holds a llamafactory wheel)
+#   LLAMA_CLUSTER_WHEELHOUSE    the wheelhouse (default $LLAMA_CLUSTER_CACHE/wheelhouse/cp<ver>-pypi,
+#                               filled by `ansible-playbook playbooks/wheelhouse.yml -e cluster_accelerator=cpu`)
 set -euo pipefail
 
+root=$(cd "$(dirname "$0")/.." && pwd)
 cache="${LLAMA_CLUSTER_CACHE:-$HOME/.cache/llama-cluster}"
 python_bin="${LLAMA_CLUSTER_TRAIN_PYTHON:-$cache/venv-train/bin/python}"
 venv_dir="$(dirname "$(dirname "$python_bin")")"
+base_python=python3
 
-find_wheelhouse() {
-  local candidate
-  for candidate in ${LLAMA_CLUSTER_WHEELHOUSE:-} \
-    "$cache/wheelhouse/cp311-pypi" "$cache/wheelhouse"; do
-    if compgen -G "$candidate/llamafactory-*.whl" >/dev/null; then
-      echo "$candidate"
-      return 0
-    fi
-  done
-  found="$(find "$cache" -name 'llamafactory-0.9.5-*.whl' -print -quit 2>/dev/null || true)"
-  if [[ -n "$found" ]]; then
-    dirname "$found"
-    return 0
-  fi
-  return 1
-}
+version=$("$base_python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+tag=${version/./}
+lock="$root/requirements/node-py$tag.txt"
+if [[ ! -f $lock ]]; then
+  echo "error: no lock $lock for Python $version: scripts/lock-node-env.py makes one for each" \
+    "Python of roles/python_env (python_env_os_python); run this with one of them" >&2
+  exit 1
+fi
+wheelhouse="${LLAMA_CLUSTER_WHEELHOUSE:-$cache/wheelhouse/cp$tag-pypi}"
+stamp="$(sha256sum "$lock" | cut -c1-16)"
 
 probe='import llamafactory, deepspeed, transformers, torch; print(llamafactory.__version__, deepspeed.__version__, transformers.__version__, torch.__version__)'
-if [[ -x "$python_bin" ]] && "$python_bin" -c "$probe" >/dev/null 2>&1; then
-  echo "ok: $python_bin already has the training stack: $("$python_bin" -c "$probe" 2>/dev/null)"
+if [[ -x "$python_bin" && "$(cat "$venv_dir/.lock-stamp" 2>/dev/null)" == "$stamp" ]] \
+  && "$python_bin" -c "$probe" >/dev/null 2>&1; then
+  echo "ok: $python_bin has the training stack of $(basename "$lock"): $("$python_bin" -c "$probe" 2>/dev/null)"
   exit 0
 fi
 
-if ! wheelhouse="$(find_wheelhouse)"; then
-  echo "error: no wheelhouse with llamafactory-0.9.5 found; set LLAMA_CLUSTER_WHEELHOUSE" >&2
+if ! compgen -G "$wheelhouse/llamafactory-*.whl" >/dev/null; then
+  echo "error: $wheelhouse holds no llamafactory wheel; fill it with" \
+    "ansible-playbook playbooks/wheelhouse.yml -e cluster_accelerator=cpu -e wheelhouse_python=$version" \
+    "or set LLAMA_CLUSTER_WHEELHOUSE" >&2
   exit 1
 fi
-echo "building $venv_dir from $wheelhouse"
+uv="$root/.venv/bin/uv"
+if [[ ! -x $uv ]]; then
+  echo "error: $uv is missing: run scripts/setup-controller.sh first (requirements.txt pins uv)" >&2
+  exit 1
+fi
 
-python3 -m venv "$venv_dir"
-pip=("$venv_dir/bin/pip" install --no-index --find-links "$wheelhouse" --disable-pip-version-check -q)
-"${pip[@]}" pip setuptools wheel 2>/dev/null || "${pip[@]}" setuptools
-"${pip[@]}" torch==2.11.0 torchaudio==2.11.0 torchvision==0.26.0 \
-  llamafactory==0.9.5 transformers==5.6.0 tokenizers==0.22.2 peft==0.18.1 accelerate==1.11.0 \
-  datasets==4.0.0 trl==0.24.0 hjson pydantic py-cpuinfo ninja psutil msgpack einops
-# DeepSpeed ships only an sdist; no ops are compiled (they are JIT-built on GPU nodes if needed).
-DS_BUILD_OPS=0 "${pip[@]}" --no-build-isolation deepspeed==0.19.8
+echo "building $venv_dir from $(basename "$lock") and $wheelhouse"
+[[ -x "$venv_dir/bin/python" ]] || "$base_python" -m venv "$venv_dir"
+# uv's cache beside the venv (one filesystem: hard links, no second copy of the stack).
+UV_CACHE_DIR="${UV_CACHE_DIR:-$cache/uv}" UV_NO_CONFIG=1 "$uv" pip install --quiet \
+  --python "$venv_dir/bin/python" --no-index --find-links "$wheelhouse" -r "$lock"
 "$python_bin" -c "$probe"
+echo "$stamp" >"$venv_dir/.lock-stamp"

@@ -9,6 +9,7 @@ check mode; the roles' plan/validate tasks are read-only.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -112,7 +113,8 @@ PLAN_PLAYBOOK = [
         "name": "Render what the GPU roles would install",
         "hosts": "cluster",
         "gather_facts": False,
-        "tasks": [
+        "tasks": [{"ansible.builtin.include_role": {"name": "host_facts", "tasks_from": "os.yml"}}]
+        + [
             {"ansible.builtin.include_role": {"name": role, "tasks_from": "plan.yml"}}
             for role in ("nvidia_driver", "cuda_toolkit", "nccl")
         ]
@@ -258,6 +260,69 @@ def preflight_failure(lab: Lab, extra: dict) -> str:
     return " ".join(out.split())
 
 
+@pytest.fixture(scope="module")
+def mixed_lab(tmp_path_factory: pytest.TempPathFactory) -> Lab:
+    return Lab(tmp_path_factory.mktemp("mixed"), SUPPORTED)
+
+
+def preflight(lab: Lab, *args: str) -> subprocess.CompletedProcess:
+    """provision.yml in check mode with a tag no role has: only the pre-flight (tags: always)."""
+    extra = json.dumps({"cluster_accelerator": "cpu"})
+    return lab.run(PROJECT / "provision.yml", "--check", "--tags", "preflight", "-e", extra, *args)
+
+
+@pytest.mark.parametrize(
+    ("limit", "plans"),
+    [
+        # Ubuntu 22.04's python3 is 3.10 (seeded): its venv takes the python3.11 package.
+        (
+            "ubuntu2204,debian12",
+            {
+                "ubuntu2204": "venv with Python 3.11 (ubuntu-22.04), lock node-py311.txt",
+                "debian12": "venv with Python 3.11 (debian-12), lock node-py311.txt",
+            },
+        ),
+        ("ubuntu2404", {"ubuntu2404": "venv with Python 3.12 (ubuntu-24.04), lock node-py312.txt"}),
+    ],
+)
+def test_preflight_passes_on_python_310_311_312_nodes_with_their_lock(
+    mixed_lab: Lab, limit: str, plans: dict[str, str]
+):
+    proc = preflight(mixed_lab, "--limit", limit)
+    out = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for host, plan in plans.items():
+        assert f"ok: [{host}] => msg: {plan}, installer uv" in out
+    assert "changed=1" not in out
+
+
+def test_nodes_with_different_pythons_fail_naming_each_node_and_python(mixed_lab: Lab):
+    proc = preflight(mixed_lab)
+    out = " ".join(proc.stdout.split())
+    assert proc.returncode != 0
+    assert (
+        "The nodes would get different Pythons, and every node must run the same stack on the"
+        " same Python: ubuntu2204 (ubuntu-22.04) Python 3.11; ubuntu2404 (ubuntu-24.04) Python"
+        " 3.12; debian12 (debian-12) Python 3.11." in out
+    )
+    assert "python_env_backend: conda" in out
+
+
+def test_preflight_runs_with_tags_and_stops_bad_input(debian_lab: Lab):
+    proc = debian_lab.run(
+        PROJECT / "provision.yml",
+        "--check",
+        "--tags",
+        "llamafactory",
+        "-e",
+        '{"cuda_version": "11.1"}',
+    )
+    out = " ".join(proc.stdout.split())
+    assert proc.returncode != 0
+    assert "PLAY [Pre-flight | Check every node before any node changes]" in out
+    assert "cuda_version '11.1' has no entry in torch_matrix" in out
+
+
 def test_unknown_os_fails_before_any_change(tmp_path: Path):
     lab = Lab(tmp_path, ["fedora40"])
     out = preflight_failure(lab, {"cluster_accelerator": "cpu"})
@@ -370,3 +435,87 @@ def test_gpu_probe_finds_nvidia_gpus_on_the_pci_bus_without_a_driver(tmp_path: P
     assert result["gpus"][0]["pci_bus_id"] == "0000:17:00.0"
     assert result["driver_loaded"] is False
     assert result["driver_version"] is None
+
+
+# The installer's command line and the overlay's package list (plugins/filter/python_env.py).
+
+
+def load_filters():
+    spec = importlib.util.spec_from_file_location(
+        "python_env_filters", PROJECT / "plugins/filter/python_env.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+env_filters = load_filters()
+
+
+def test_install_argv_from_the_wheelhouse_is_offline_under_the_lock_for_uv_and_pip():
+    spec = {
+        "env_bin": "/e/bin",
+        "constraints": "/e/constraints.txt",
+        "wheelhouse": "/w",
+        "index_urls": ["https://pypi.org/simple"],
+    }
+    uv = env_filters.install_argv(["torch==2.11.0"], {**spec, "installer": "uv"})
+    assert uv == [
+        "/e/bin/uv", "pip", "install", "--python", "/e/bin/python", "--no-index",
+        "--find-links", "/w", "--constraint", "/e/constraints.txt", "torch==2.11.0",
+    ]  # fmt: skip
+    pip = env_filters.install_argv(["torch==2.11.0"], {**spec, "installer": "pip", "no_deps": True})
+    assert pip[:5] == ["/e/bin/python", "-m", "pip", "install", "--disable-pip-version-check"]
+    assert pip[5:] == [
+        "--no-index", "--find-links", "/w", "--constraint", "/e/constraints.txt", "--no-deps",
+        "torch==2.11.0",
+    ]  # fmt: skip
+
+
+def test_install_argv_from_indexes_takes_the_best_version_across_them_with_uv():
+    spec = {
+        "installer": "uv",
+        "env_bin": "/e/bin",
+        "constraints": "/c",
+        "index_urls": ["https://download.pytorch.org/whl/cu128", "https://pypi.org/simple"],
+    }
+    argv = env_filters.install_argv(["torch==2.11.0"], spec)
+    assert argv[5:11] == [
+        "--index-url", "https://download.pytorch.org/whl/cu128",
+        "--extra-index-url", "https://pypi.org/simple",
+        "--index-strategy", "unsafe-best-match",
+    ]  # fmt: skip
+    with pytest.raises(Exception, match="python_env_installer is 'conda'"):
+        env_filters.install_argv(["x==1"], {**spec, "installer": "conda"})
+
+
+def test_overlay_adds_the_locked_packages_the_wheelhouse_carries_at_their_pins():
+    lock = "# header\naccelerate==1.11.0\nnumpy==2.5.5\ntorch==2.11.0\ntyro==0.8.14\n"
+    carried = [
+        "/w/tyro-0.8.14-py3-none-any.whl",
+        "/w/accelerate-1.11.0-py3-none-any.whl",
+        "/w/numpy-2.5.2-cp312-cp312-manylinux_2_28_x86_64.whl",  # not the lock's version
+        "/w/torch-2.11.0+cu128-cp312-cp312-manylinux_2_28_x86_64.whl",
+    ]
+    assert env_filters.wheel_pins(carried[3:]) == ["torch==2.11.0"]
+    assert env_filters.carried_pins(lock, carried, exclude=["torch==2.11.0"]) == [
+        "accelerate==1.11.0",
+        "tyro==0.8.14",
+    ]
+
+
+def test_installer_changed_reads_what_uv_and_pip_report():
+    assert env_filters.installer_changed({"stderr": "Installed 3 packages in 9ms\n + a==1"}, "uv")
+    assert not env_filters.installer_changed({"stderr": "Checked 3 packages in 1ms"}, "uv")
+    assert env_filters.installer_changed({"stdout": "Successfully installed a-1\n"}, "pip")
+    assert not env_filters.installer_changed({"stdout": "Requirement already satisfied: a"}, "pip")
+
+
+def test_a_python_312_cluster_wants_the_cp312_wheel_set(mixed_lab: Lab):
+    wheelhouse = mixed_lab.root / "cache" / "wheelhouse" / "cp312-pypi"
+    proc = preflight(mixed_lab, "--limit", "ubuntu2404", "-e", '{"wheelhouse_download": false}')
+    out = " ".join(proc.stdout.split())
+    assert proc.returncode != 0
+    assert f"The wheelhouse {wheelhouse} lacks" in out
+    assert "numpy==2.5.5" in out  # the 3.12 lock's numpy (3.11's is 2.4.6)
+    assert "for CPython 3.12, manylinux x86_64" in out

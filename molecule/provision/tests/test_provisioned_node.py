@@ -80,7 +80,7 @@ def test_no_package_floats_outside_the_pins(host: Host) -> None:
         for line in host.file(f"{ENV}/constraints.txt").content_string.splitlines()
         if line and not line.startswith("#")
     }
-    top = {"torch", "torchvision", "torchaudio", "llamafactory", "deepspeed", "pip"}
+    top = {"pip"}  # the lock pins the top-level packages too
     for line in run(host, f"{BIN}/pip freeze --all").splitlines():
         name = re.sub(r"[-_.]+", "-", line.split("==")[0]).lower()
         if name in top or name.startswith(("nvidia-", "cuda-")) or name == "triton":
@@ -105,6 +105,14 @@ def test_cluster_directories_have_sane_ownership(
     assert d.user == owner
     assert d.group == "llama"
     assert d.mode == mode
+
+
+def test_the_environment_was_filled_by_uv_and_its_dependencies_agree(host: Host) -> None:
+    # python_env_installer: uv (the default) installs uv from the wheelhouse, then everything else.
+    assert run(host, f"{BIN}/uv --version").split()[:2] == ["uv", "0.13.9"]
+    check = host.run(f"{BIN}/uv pip check --python {BIN}/python")
+    assert check.rc == 0, check.stdout + check.stderr
+    assert "All installed packages are compatible" in check.stdout + check.stderr
 
 
 def test_node_got_the_controllers_deepspeed_wheel(host: Host) -> None:
