@@ -8,6 +8,7 @@ import json
 import logging
 import signal
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -218,21 +219,19 @@ def _summary_panel(summary: TrainSummary) -> Panel:
     return Panel("\n".join(lines), title="training summary", expand=False)
 
 
-def _runs_table(runs: Iterable[RunStatus]) -> Table:
-    table = Table(title="runs", title_justify="left")
-    for column in ("run id", "state", "step", "loss", "ETA", "failed node", "nodes"):
-        table.add_column(column)
-    for run in runs:
-        table.add_row(
-            run.run_id,
-            run.state,
-            f"{run.step}/{run.total_steps or '?'}" if run.step is not None else "-",
-            f"{run.loss:.4f}" if run.loss is not None else "-",
-            _duration(run.eta_s),
-            run.failed_node or "-",
-            ", ".join(f"{host} {state}" for host, state in run.nodes.items()) or "-",
-        )
-    return table
+def _status_panel(run: RunStatus) -> Panel:
+    nodes = Counter(run.nodes.values())
+    lines = [
+        f"state        {run.state}",
+        f"step         {run.step if run.step is not None else '-'}/{run.total_steps or '?'}",
+        f"loss         {run.loss if run.loss is not None else '-'}",
+        f"ETA          {_duration(run.eta_s)}",
+        f"nodes        {', '.join(f'{n} {state}' for state, n in nodes.items()) or '-'}",
+    ]
+    if run.failed_node:
+        status = f" (exit status {run.exit_status})" if run.exit_status is not None else ""
+        lines.append(f"failed node  {run.failed_node}{status}")
+    return Panel("\n".join(lines), title=f"run {run.run_id}", expand=False)
 
 
 def _json_default(value: object) -> object:
@@ -275,8 +274,8 @@ def _report_error(console: Console, exc: RunnerError) -> int:
 
 def _report_result(console: Console, result: RunResult, *, as_json: bool) -> None:
     console.print(_recap(result))
-    if result.runs:
-        console.print(_runs_table(result.runs))
+    for run in result.runs:
+        console.print(_status_panel(run))
     if result.summary:
         console.print(_summary_panel(result.summary))
     elif result.run_id:
