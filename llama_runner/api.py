@@ -71,13 +71,13 @@ def _with_run_id(run_id: str | None) -> dict[str, Any]:
 class Cluster:
     """A llama-cluster inventory, and the playbooks that act on it.
 
-    Each method runs one playbook through ansible-runner (which starts ansible-playbook with the
-    project's ansible.cfg), blocks until it ends and returns a RunResult, or raises
-    PlaybookFailed, HostUnreachable, InvalidInput or RunInterrupted. `on_event` (here or per
-    call) receives every Ansible event, `on_progress` every training progress report, both from
-    the runner's thread. cancel() (from any thread or a signal handler) or a KeyboardInterrupt
-    cancels the current run. One run at a time per Cluster; artifacts of the last
-    `keep_artifacts` runs stay in <private_data_dir>/artifacts/.
+    Each method runs one playbook (attach() several in turn) through ansible-runner, which
+    starts ansible-playbook with the project's ansible.cfg; it blocks until the end and returns
+    a RunResult, or raises PlaybookFailed, HostUnreachable, InvalidInput or RunInterrupted.
+    `on_event` (here or per call) receives every Ansible event, `on_progress` every training
+    progress report, both from the runner's thread. cancel() (from any thread or a signal
+    handler) or a KeyboardInterrupt cancels the current run. One run at a time per Cluster;
+    artifacts of the last `keep_artifacts` runs stay in <private_data_dir>/artifacts/.
     """
 
     def __init__(
