@@ -1,4 +1,4 @@
-"""train_runner.py: real ansible-runner runs of real playbooks, no mocks.
+"""train_runner.py (llama_runner/): real ansible-runner runs of real playbooks, no mocks.
 
 The fast tests run playbooks on localhost (the project's own where one exists, else a few lines
 written here for the behaviour under test). The tests marked `lab` drive the lab cluster
@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-# train_runner.py is a script at the repository root, not an installed package.
+# train_runner.py and llama_runner/ sit at the repository root, not installed.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import train_runner
+from llama_runner.status import parse_status
 from train_runner import (
     DEFAULT_INVENTORY,
     EXIT_FAILED,
@@ -30,11 +31,13 @@ from train_runner import (
     EXIT_OK,
     EXIT_UNREACHABLE,
     PROJECT_DIR,
+    RUN_STATES,
     Cluster,
     HostUnreachable,
     InvalidInput,
     PlaybookFailed,
     RunInterrupted,
+    RunStatus,
     TrainSummary,
 )
 
@@ -194,6 +197,45 @@ def test_set_stats_data_becomes_the_train_summary(cluster: Cluster, tmp_path: Pa
     assert result.hosts["localhost"].ok == 1
 
 
+def test_the_run_id_is_the_llama_run_id_stat_as_soon_as_it_is_set(cluster: Cluster, tmp_path: Path):
+    # train.yml names its run with set_stats llama_run_id right after the plan; other facts
+    # that happen to hold a run_id are not the run's.
+    playbook = write_playbook(
+        tmp_path,
+        "named.yml",
+        """
+- name: Named
+  hosts: localhost
+  gather_facts: false
+  tasks:
+    - name: Name the run
+      ansible.builtin.set_stats:
+        data:
+          llama_run_id: train-20260101-000000-tiny
+        per_host: false
+    - name: Set a fact that holds another run_id
+      ansible.builtin.set_fact:
+        other_plan:
+          run_id: not-this-one
+    - name: Carry on
+      ansible.builtin.debug:
+        msg: later
+""",
+    )
+    seen: list[str | None] = []
+
+    def on_event(event: dict) -> None:
+        if event["event"] == "runner_on_start" and event["event_data"]["task"] == "Carry on":
+            seen.append(cluster.current_run_id)
+
+    result = cluster.run_playbook(playbook, on_event=on_event)
+    assert seen == ["train-20260101-000000-tiny"]
+    assert result.run_id == "train-20260101-000000-tiny"
+    assert result.data == {"llama_run_id": "train-20260101-000000-tiny"}
+    assert result.summary is None
+    assert result.hosts["localhost"].ok == 3
+
+
 def test_failed_task_raises_playbook_failed_naming_host_task_and_message(
     cluster: Cluster, tmp_path: Path
 ):
@@ -317,6 +359,46 @@ def test_progress_reads_the_trainer_log_and_the_contract_names():
     assert llamafactory.fraction == pytest.approx(0.3)
     assert (contract.step, contract.total_steps, contract.remaining_s) == (3, 10, 150)
     assert train_runner.TrainProgress.from_result("node1", {"msg": "no progress"}) is None
+
+
+def test_status_reads_each_run_that_status_yml_publishes():
+    runs = parse_status(
+        {
+            "llama_status": {
+                "runs": [
+                    {
+                        "run_id": "train-a",
+                        "state": "running",
+                        "step": 3,
+                        "total_steps": 10,
+                        "loss": 1.5,
+                        "eta_s": "0:02:30",
+                        "nodes": {"node1": "running", "node2": "running"},
+                    },
+                    {
+                        "run_id": "train-b",
+                        "state": "failed",
+                        "failed_node": "node2",
+                        "exit_status": 137,
+                    },
+                ]
+            }
+        },
+        events=[],
+    )
+    assert runs[0] == RunStatus(
+        run_id="train-a",
+        state="running",
+        step=3,
+        total_steps=10,
+        loss=1.5,
+        eta_s=150,
+        nodes={"node1": "running", "node2": "running"},
+    )
+    assert (runs[1].state, runs[1].failed_node, runs[1].exit_status) == ("failed", "node2", 137)
+    assert [run.active for run in runs] == [True, False]
+    assert runs[0].progress().fraction == pytest.approx(0.3)
+    assert set(RUN_STATES) >= {run.state for run in runs}
 
 
 # ---- the CLI -------------------------------------------------------------------------------
@@ -455,6 +537,7 @@ def test_lab_train_tiny_returns_the_summary(provisioned: Cluster):
     summary = result.summary
     assert summary is not None
     assert summary.run_id == result.run_id
+    assert result.data["llama_run_id"] == result.run_id
     assert summary.world_size == len(lab_hosts())
     assert (summary.effective_batch_size or 0) > 0
     assert (summary.runtime_s or 0) > 0
@@ -594,3 +677,28 @@ def test_lab_cli_ctrl_c_stops_every_rank(provisioned: Cluster):
     assert run_id, out[-3000:]
     for host in lab_hosts():
         assert run_units(host, run_id.group(1)) == "", host
+
+
+@pytest.mark.lab
+@needs_train
+def test_lab_detached_run_is_followed_by_status_and_attach(provisioned: Cluster):
+    started = provisioned.train("tiny", detach=True, train_args={"logging_steps": 5})
+    run_id = started.run_id
+    assert run_id
+    assert started.summary is None
+    progress: list[train_runner.TrainProgress] = []
+    result = provisioned.attach(run_id, poll_s=5, on_progress=progress.append)
+    assert result.run_id == run_id
+    assert [(run.run_id, run.state) for run in result.runs] == [(run_id, "succeeded")]
+    assert progress
+    assert progress[-1].step is not None
+    assert progress[-1].step == progress[-1].total_steps
+    summary = result.summary
+    assert summary is not None
+    assert summary.run_id == run_id
+    assert isinstance(summary.final_loss, float)
+    assert summary.controller_dir is not None
+    assert (summary.controller_dir / "trainer_log.jsonl").is_file()
+    status = cli("--json", "status", "--run-id", run_id, timeout=300)
+    assert status.returncode == EXIT_OK, status.stderr[-3000:]
+    assert '"state": "succeeded"' in status.stdout
