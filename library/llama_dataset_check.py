@@ -312,20 +312,15 @@ class _Roles:
     user_side: tuple[str, ...]
     assistant_side: tuple[str, ...]
     system: str | None
+    known: tuple[str, ...]  # every role a message may have
 
     @classmethod
     def of(cls, tags: dict[str, str | None]) -> _Roles:
         """LLaMA-Factory's accept_tags: user/observation at even turns, assistant at odd ones."""
-        return cls(
-            tuple(t for t in (tags["user_tag"], tags["observation_tag"]) if t),
-            tuple(t for t in (tags["assistant_tag"], tags["function_tag"]) if t),
-            tags["system_tag"],
-        )
-
-    @property
-    def known(self) -> list[str]:
-        """Every role a message may have."""
-        return [*self.user_side, *self.assistant_side, *([self.system] if self.system else [])]
+        user = tuple(t for t in (tags["user_tag"], tags["observation_tag"]) if t)
+        assistant = tuple(t for t in (tags["assistant_tag"], tags["function_tag"]) if t)
+        system = tags["system_tag"]
+        return cls(user, assistant, system, (*user, *assistant, *([system] if system else [])))
 
 
 def _not_text(number: int, tag: str, value: Any) -> str:  # noqa: ANN401 - any JSON value
@@ -626,6 +621,36 @@ class Report:
     written: bool = False
 
 
+class _ValidRecords:
+    """The valid records, written to a temporary file beside dest; kept at dest only if wanted."""
+
+    def __init__(self, dest: str | None) -> None:
+        self._dest = dest
+        self._out: IO[str] | None = None
+        if dest:
+            folder = os.path.dirname(dest) or "."
+            os.makedirs(folder, exist_ok=True)
+            self._out = tempfile.NamedTemporaryFile(  # noqa: SIM115 - finish() closes it
+                "w", encoding="utf-8", dir=folder, delete=False, suffix=".part"
+            )
+
+    def write(self, value: Any) -> None:  # noqa: ANN401 - any JSON value
+        """Add one record (one line of JSON)."""
+        if self._out:
+            self._out.write(json.dumps(value, ensure_ascii=False) + "\n")
+
+    def finish(self, keep: bool) -> bool:
+        """Move the file to dest when keep, else remove it; True when dest was written."""
+        if not self._out:
+            return False
+        self._out.close()
+        if keep:
+            os.replace(self._out.name, self._dest)
+        else:
+            os.unlink(self._out.name)
+        return keep
+
+
 def check_file(
     path: str,
     spec: Spec,
@@ -648,16 +673,7 @@ def check_file(
     if spec.column("system"):
         watched.add(spec.column("system"))
     needs_system_column = False
-    out = None
-    if valid_out:
-        os.makedirs(os.path.dirname(valid_out) or ".", exist_ok=True)
-        out = tempfile.NamedTemporaryFile(  # noqa: SIM115 - kept or removed below
-            "w",
-            encoding="utf-8",
-            dir=os.path.dirname(valid_out) or ".",
-            delete=False,
-            suffix=".part",
-        )
+    valid = _ValidRecords(valid_out)
     try:
         for item in items:
             report.records += 1
@@ -669,25 +685,19 @@ def check_file(
                     report.invalid_indexes.append(item.index)
                 continue
             report.valid += 1
-            seen.update(key for key in watched if key in item.value)
+            if len(seen) < len(watched):
+                seen.update(watched.intersection(item.value))
             if spec.formatting == "sharegpt" and not needs_system_column:
                 first = item.value[spec.column("messages")][0]
                 needs_system_column = first[spec.tags["role_tag"]] != spec.tags["system_tag"]
-            if out:
-                out.write(json.dumps(item.value, ensure_ascii=False) + "\n")
+            valid.write(item.value)
     except BaseException:
-        if out:
-            out.close()
-            os.unlink(out.name)
+        valid.finish(keep=False)
         raise
     _column_problems(report, spec, seen, needs_system_column)
-    if out:
-        out.close()
-        if report.invalid and report.valid and not report.problems:
-            os.replace(out.name, valid_out)
-            report.written = True
-        else:
-            os.unlink(out.name)
+    report.written = valid.finish(
+        keep=bool(report.invalid and report.valid and not report.problems)
+    )
     return report
 
 
