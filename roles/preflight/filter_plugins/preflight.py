@@ -91,7 +91,7 @@ def _table(hosts: list[str], names: list[str], rows: dict[str, dict[str, str]]) 
 def preflight_gpu_ids(gpu_ids: dict[str, Any], local_facts: dict[str, dict[str, Any]]) -> list[str]:
     """One message per node whose inventory gpu_ids name GPUs it does not have.
 
-    gpu_ids maps a host to its gpu_ids (None or absent: every GPU it has); local_facts maps a host
+    gpu_ids maps a host to its gpu_ids (None or "": every GPU it has); local_facts maps a host
     to its ansible_local, whose llama_host.gpus lists the GPUs with their index.
     """
     problems = []
