@@ -117,7 +117,11 @@ def test_records_without_the_format_keys_are_refused(two_nodes: Path, tmp_path: 
     wrong = tmp_path / "wrong.json"
     wrong.write_text('[{"prompt": "hi", "answer": "there"}]')
     out = _fails_before_nodes(two_nodes, "-e", "model=tiny", "-e", f"dataset_file={wrong}")
-    assert 'alpaca records, each with "instruction"' in out
+    assert "1 of 1 records" in out
+    assert (
+        'not valid alpaca records (indexes count from 0): record 0 (line 1): has no "instruction"'
+        in out
+    )
 
 
 def test_inventory_without_cluster_hosts_is_refused(tmp_path: Path) -> None:

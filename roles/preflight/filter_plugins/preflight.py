@@ -88,9 +88,47 @@ def _table(hosts: list[str], names: list[str], rows: dict[str, dict[str, str]]) 
     ]
 
 
+def preflight_gpu_ids(gpu_ids: dict[str, Any], local_facts: dict[str, dict[str, Any]]) -> list[str]:
+    """One message per node whose inventory gpu_ids name GPUs it does not have.
+
+    gpu_ids maps a host to its gpu_ids (None or "": every GPU it has); local_facts maps a host
+    to its ansible_local, whose llama_host.gpus lists the GPUs with their index.
+    """
+    problems = []
+    for host, wanted in gpu_ids.items():
+        if wanted is None or wanted == "":
+            continue
+        gpus = ((local_facts.get(host) or {}).get("llama_host") or {}).get("gpus") or []
+        have = sorted(
+            {int(gpu["index"]) for gpu in gpus if isinstance(gpu, dict) and "index" in gpu}
+        )
+        asked = wanted if isinstance(wanted, list | tuple) else [wanted]
+        absent = [gpu for gpu in asked if _index(gpu) not in have]
+        if absent:
+            has = f"it has {', '.join(map(str, have))}" if have else "it has no GPUs"
+            problems.append(
+                f"{host}: gpu_ids {list(asked)} name {', '.join(map(str, absent))}, which "
+                f"{host} does not have ({has}, in ansible_local.llama_host.gpus)"
+            )
+    return problems
+
+
+def _index(value: Any) -> int | None:  # noqa: ANN401 - an inventory value
+    """A GPU index as an int, or None when the value is not one."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
 class FilterModule:
     """The preflight's filters."""
 
     def filters(self) -> dict[str, Any]:
         """Map filter names to functions."""
-        return {"preflight_consistency": preflight_consistency}
+        return {
+            "preflight_consistency": preflight_consistency,
+            "preflight_gpu_ids": preflight_gpu_ids,
+        }
