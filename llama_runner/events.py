@@ -136,7 +136,10 @@ def error_from_events(events: Iterable[Event], hosts: Mapping[str, HostStats]) -
     fatal = [e for e in candidates if e["event_data"].get("host") in failed_hosts] or candidates
     if not fatal:
         return PlaybookFailed("the playbook failed before any task ran (see stdout)")
-    event = fatal[0]
+    # The first host that failed, by its last failure: a block's rescue that re-raises (as the
+    # validation does, to hand on the planner's own message) is the failure to report.
+    first = fatal[0]["event_data"].get("host")
+    event = [e for e in fatal if e["event_data"].get("host") == first][-1]
     data = event["event_data"]
     host, task = data.get("host"), data.get("task")
     message = failure_message(data.get("res") or {})
