@@ -6,7 +6,7 @@
 Phases (in the order given; each is skipped, and says so, when its estimate would pass the
 deadline):
 
-- ``setup``: GPUs and versions, the node facts (provision.yml --tags host_facts), the measured
+- ``setup``: GPUs and versions, the node facts (provision.yml --tags host_facts,llamafactory), the measured
   bf16 matmul rate, the models the later phases need (bench/make_model.py) and the data.
 - ``goal-1.5b``, ``goal-0.5b``, ``goal-7b``: the product, then the example, on one GPU:
   1. train.yml (local connection, one logical node per GPU) with the catalogue model, the
@@ -107,7 +107,7 @@ MEASURE: dict[str, Any] = {
     "logging_steps": 1,
     "save_steps": 100000,
     "include_num_input_tokens_seen": "non_padding",
-    "warmup_ratio": None,
+    "warmup_ratio": 0.0,  # warmup_steps wins when > 0; the planner refuses null
     "warmup_steps": 5,
 }
 
@@ -332,9 +332,6 @@ def inventory(
     }
     if mode == "gpu":
         node["cuda_version"] = "13.0"
-    else:
-        # Not /etc/ansible/facts.d: the dry run's machine is shared.
-        node["host_facts_facts_dir"] = str(base_dir / "facts.d")
     if gpu_memory_gib:
         node["training_gpu_memory_gib"] = gpu_memory_gib
     hosts = {}
@@ -1053,10 +1050,15 @@ def setup_phase(ctx: Ctx, phases: list[str]) -> None:
     if not ctx.data.exists():
         data = [ctx.python, "-c", DATA, str(ROOT / "bench"), str(ctx.data_dir)]
         subprocess.run([*data, str(ctx.mode.samples)], check=True)
-    cmd = [ctx.playbook, "-i", str(ctx.inventory(1)), "provision.yml", "--tags", "host_facts"]
-    rc = run_logged(cmd, dest / "facts.log", ctx, 120)
-    say(f"node facts (provision.yml --tags host_facts): rc {rc}")
-    facts = Path("/etc/ansible/facts.d") if ctx.mode.name == "gpu" else ctx.base_dir / "facts.d"
+    # train.yml compares what every node recorded (llama_host, llama_stack) before it starts: the
+    # llamafactory role records the image's stack (llamafactory_install: false installs nothing).
+    tags = "host_facts,llamafactory"
+    cmd = [ctx.playbook, "-i", str(ctx.inventory(1)), "provision.yml", "--tags", tags]
+    rc = run_logged(cmd, dest / "facts.log", ctx, 180)
+    say(f"node facts (provision.yml --tags {tags}): rc {rc}")
+    # Every role records its facts in /etc/ansible/facts.d, where train.yml's gathering reads them
+    # (the dry run too: it writes llama_host and llama_stack on this machine).
+    facts = Path("/etc/ansible/facts.d")
     with contextlib.suppress(OSError):
         shutil.copy2(facts / "llama_host.fact", dest / "llama_host.json")
     if "shard-zero3_offload" in later:
