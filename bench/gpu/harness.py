@@ -6,8 +6,9 @@
 Phases (in the order given; each is skipped, and says so, when its estimate would pass the
 deadline):
 
-- ``setup``: GPUs and versions, the node facts (provision.yml --tags host_facts,llamafactory), the measured
-  bf16 matmul rate, the models the later phases need (bench/make_model.py) and the data.
+- ``setup``: GPUs and versions, the node facts (provision.yml --tags
+  host_facts,llamafactory), the measured bf16 matmul rate, the models the later phases need
+  (bench/make_model.py) and the data.
 - ``goal-1.5b``, ``goal-0.5b``, ``goal-7b``: the product, then the example, on one GPU:
   1. train.yml (local connection, one logical node per GPU) with the catalogue model, the
      generated weights and the synthetic data, detached; the benchmark follows rank 0's
