@@ -1,8 +1,11 @@
 """Bad requests to train.yml fail on the controller, with the problem and the fix, before any
-node is contacted; and the DeepSpeed-stage rule picks what group_vars/all/training.yml states.
+node is contacted; and the plan train.yml prints follows group_vars/all/training.yml and every
+node's GPU facts.
 
 The inventories point at TEST-NET addresses (192.0.2.0/24) that nothing answers: a request that
-got past validation would fail on "unreachable" instead of the message asserted here.
+got past validation would fail on "unreachable" instead of the message asserted here. GPU nodes
+carry their facts in the inventory (`ansible_local`, the shape roles/host_facts records), so the
+planner finds them as it finds cached facts and contacts no node.
 """
 
 from __future__ import annotations
@@ -18,8 +21,16 @@ ROOT = Path(__file__).resolve().parents[1]
 ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
 
 
-def _node(address: str, **extra: object) -> str:
-    settings = {"ansible_host": address, "cluster_accelerator": "cpu", "nproc_per_node": 1}
+def _node(address: str, gpu_mib: list[int] | None = None, **extra: object) -> str:
+    settings: dict[str, object] = {
+        "ansible_host": address,
+        "cluster_accelerator": "cpu",
+        "nproc_per_node": 1,
+    }
+    if gpu_mib is not None:
+        gpus = [{"index": i, "memory_mib": mib} for i, mib in enumerate(gpu_mib)]
+        settings["cluster_accelerator"] = "nvidia"
+        settings["ansible_local"] = {"llama_host": {"gpus": gpus, "gpu_count": len(gpus)}}
     settings.update(extra)
     return json.dumps(settings)
 
@@ -50,7 +61,13 @@ def _train(inventory: Path, *extra: str, playbook: str = "train.yml") -> tuple[i
         capture_output=True,
         text=True,
         check=False,
-        env={"ANSIBLE_NOCOLOR": "1", "PATH": "/usr/bin:/bin", "HOME": str(inventory.parent)},
+        env={
+            "ANSIBLE_NOCOLOR": "1",
+            "PATH": "/usr/bin:/bin",
+            "HOME": str(inventory.parent),
+            # A fact cache of the test's own: no facts from other runs, none left behind.
+            "ANSIBLE_CACHE_PLUGIN_CONNECTION": str(inventory.parent / "facts"),
+        },
     )
     return done.returncode, " ".join((done.stdout + done.stderr).split())
 
@@ -168,31 +185,160 @@ def test_effective_batch_and_world_size_are_printed(tmp_path: Path) -> None:
     assert "Effective batch 72 = per-device 2 x accumulation 3 x world size 12" in out
 
 
+H100_MIB, H200_MIB, RTX4090_MIB = 81559, 143771, 24564
+
+
 @pytest.mark.parametrize(
-    ("model", "extra", "stage"),
+    ("model", "extra", "gpu_mib", "stage"),
     [
-        ("tiny", {}, "none"),  # the lab: CPU, plain DDP
-        ("qwen2.5-7b", {}, "none"),  # LoRA on 7B: bf16 weights fit in one GPU
-        ("qwen2.5-0.5b", {}, "none"),  # full fine-tuning that fits: DDP
-        ("qwen2.5-7b", {"finetuning_type": "full"}, "zero2"),  # full 7B: shard grads + optimizer
+        ("tiny", {}, None, "none"),  # the lab: CPU, plain DDP
+        ("qwen2.5-7b", {}, H100_MIB, "none"),  # LoRA on 7B: bf16 weights fit in one GPU
+        ("qwen2.5-0.5b", {}, H100_MIB, "none"),  # full fine-tuning that fits: DDP
+        ("qwen2.5-7b", {"finetuning_type": "full"}, H100_MIB, "zero2"),  # shard grads + optimizer
         # full 8B on 24 GiB GPUs, 16 ranks: ZeRO-2 does not fit, ZeRO-3 does
-        ("llama3-8b", {"finetuning_type": "full", "training_gpu_memory_gib": 24}, "zero3"),
+        ("llama3-8b", {"finetuning_type": "full"}, RTX4090_MIB, "zero3"),
         # the same on 2 ranks: even ZeRO-3 does not fit, so the optimizer and weights go to CPU
-        (
-            "llama3-8b",
-            {"finetuning_type": "full", "training_gpu_memory_gib": 24, "nproc": 1},
-            "zero3_offload",
-        ),
+        ("llama3-8b", {"finetuning_type": "full", "nproc": 1}, RTX4090_MIB, "zero3_offload"),
     ],
 )
-def test_deepspeed_stage_rule(tmp_path: Path, model: str, extra: dict, stage: str) -> None:
-    accelerator = "cpu" if model == "tiny" else "nvidia"
+def test_deepspeed_stage_rule(
+    tmp_path: Path, model: str, extra: dict, gpu_mib: int | None, stage: str
+) -> None:
     extra = dict(extra)
     nproc = extra.pop("nproc", 8)
+    mib = None if gpu_mib is None else [gpu_mib] * nproc
     inventory = _inventory(
         tmp_path,
-        {"a": _node("192.0.2.1", cluster_accelerator=accelerator, nproc_per_node=nproc)},
-        {"b": _node("192.0.2.2", cluster_accelerator=accelerator, nproc_per_node=nproc)},
+        {"a": _node("192.0.2.1", gpu_mib=mib, nproc_per_node=nproc)},
+        {"b": _node("192.0.2.2", gpu_mib=mib, nproc_per_node=nproc)},
     )
     out = _plan(inventory, "-e", f"model={model}", "-e", json.dumps(extra))
     assert f"DeepSpeed: {stage} (chosen by the rule" in out
+
+
+def test_the_plan_is_for_the_smallest_gpu_in_the_facts(tmp_path: Path) -> None:
+    inventory = _inventory(
+        tmp_path,
+        {"a": _node("192.0.2.1", gpu_mib=[H200_MIB])},
+        {"b": _node("192.0.2.2", gpu_mib=[H200_MIB, RTX4090_MIB], gpu_ids=[1])},
+    )
+    out = _plan(inventory, "-e", "model=qwen2.5-1.5b", "-e", "finetuning_type=full")
+    assert "GPU memory planned for: 24.0 GiB per GPU (smallest node: b, facts, GPU)" in out
+    assert "DeepSpeed: zero2 (chosen by the rule" in out
+
+
+def test_the_plan_lists_what_was_decided(tmp_path: Path) -> None:
+    inventory = _inventory(tmp_path, {"a": _node("192.0.2.1", gpu_mib=[H200_MIB])}, {})
+    out = _plan(
+        inventory,
+        "-e",
+        "model=qwen2.5-1.5b",
+        "-e",
+        "finetuning_type=full",
+        "-e",
+        "cutoff_len=1024",
+        "-e",
+        "tokens_per_step=3072",
+        "-e",
+        "max_restarts=2",
+    )
+    for line in (
+        "qwen2.5-1.5b (Qwen/Qwen2.5-1.5B-Instruct), full, 1.54B parameters",
+        "Nodes 1 x 1 processes = world size 1 (nvidia)",
+        "Effective batch 3 = per-device 3 x accumulation 1 x world size 1",
+        "Tokens per optimizer step: 3072 per process x 1 = 3072 (packed rows of 1024 tokens)",
+        "DeepSpeed: none (chosen by the rule",
+        "Gradient checkpointing: off",
+        "Packing: on; torch.compile: off (run length unknown",
+        "GPU memory planned for: 140.4 GiB per GPU",
+        "Restarts after a failure: at most 2",
+    ):
+        assert line in out, line
+
+
+def test_a_gpu_node_without_cached_facts_is_read_before_planning(tmp_path: Path) -> None:
+    facts = tmp_path / "facts.d"
+    facts.mkdir()
+    gpus = [{"index": 0, "memory_mib": RTX4090_MIB}]
+    (facts / "llama_host.fact").write_text(json.dumps({"gpus": gpus, "gpu_count": 1}))
+    local = {
+        "ansible_connection": "local",
+        "ansible_python_interpreter": sys.executable,
+        "cluster_accelerator": "nvidia",
+        "host_facts_facts_dir": str(facts),
+    }
+    inventory = _inventory(tmp_path, {"a": _node("127.0.0.1", **local)}, {})
+    out = _plan(inventory, "-e", "model=qwen2.5-7b")
+    assert "Read the GPUs of the nodes whose facts are not cached" in out
+    assert "GPU memory planned for: 24.0 GiB per GPU (smallest node: a, facts, GPU)" in out
+
+
+def test_nodes_that_disagree_on_the_accelerator_are_refused(tmp_path: Path) -> None:
+    # As issue 13 found it: the GPU nodes have neither facts nor nproc_per_node, and the refusal
+    # must be about the accelerators, not about processes, facts or an unreachable node.
+    gpu = {"ansible_host": "192.0.2.1", "cluster_accelerator": "nvidia"}
+    inventory = _inventory(
+        tmp_path,
+        {"a": json.dumps(gpu)},
+        {"b": _node("192.0.2.2"), "c": json.dumps({**gpu, "ansible_host": "192.0.2.3"})},
+    )
+    out = _fails_before_nodes(inventory, "-e", "model=tiny")
+    assert "The nodes disagree on cluster_accelerator (cpu on b; nvidia on a, c)" in out
+    assert "nproc_per_node" not in out
+
+
+def test_a_model_of_unknown_size_is_refused(two_nodes: Path) -> None:
+    out = _fails_before_nodes(
+        two_nodes, "-e", "model=mine", "-e", "model_path=/models/mine", "-e", "model_template=qwen"
+    )
+    assert "its size is unknown" in out
+    assert "-e model_params_b=7.6" in out
+
+
+# Every number a user can give, wrong, in one request: one message lists them all.
+BAD_NUMBERS = {
+    "train_args.learning_rate = -0.0001 (must be a number > 0)": {"learning_rate": -1e-4},
+    "train_args.num_train_epochs = 0 (must be a number > 0)": {"num_train_epochs": 0},
+    "train_args.per_device_train_batch_size = 0 (must be an integer >= 1)": {
+        "per_device_train_batch_size": 0
+    },
+    "train_args.gradient_accumulation_steps = -8 (must be an integer >= 1)": {
+        "gradient_accumulation_steps": -8
+    },
+    "train_args.logging_steps = 0 (must be an integer >= 1)": {"logging_steps": 0},
+    "train_args.save_steps = 'often' (must be an integer >= 1)": {"save_steps": "often"},
+    "train_args.max_steps = 0 (must be an integer >= 1 or -1": {"max_steps": 0},
+    "train_args.warmup_ratio = 1.5 (must be a number in [0, 1))": {"warmup_ratio": 1.5},
+    "train_args.lora_rank = 0 (must be an integer >= 1)": {"lora_rank": 0},
+    "train_args.cutoff_len = 0 (must be an integer >= 1)": {"cutoff_len": 0},
+}
+BAD_RUN_INPUTS = {
+    "-e cutoff_len = 'long' (must be an integer >= 1 or 0": "cutoff_len=long",
+    "-e max_restarts = -1 (must be an integer >= 0)": "max_restarts=-1",
+    "-e tokens_per_step (training_tokens_per_step) = 'many' (must be an integer >= 1)": (
+        "tokens_per_step=many"
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_numbers(tmp_path_factory: pytest.TempPathFactory) -> str:
+    tmp = tmp_path_factory.mktemp("bad")
+    inventory = _inventory(tmp, {"a": _node("192.0.2.1")}, {"b": _node("192.0.2.2")})
+    train_args = {k: v for one in BAD_NUMBERS.values() for k, v in one.items()}
+    extra = [x for value in BAD_RUN_INPUTS.values() for x in ("-e", value)]
+    return _fails_before_nodes(
+        inventory, "-e", "model=tiny", "-e", json.dumps({"train_args": train_args}), *extra
+    )
+
+
+@pytest.mark.parametrize("message", [*BAD_NUMBERS, *BAD_RUN_INPUTS])
+def test_a_bad_number_is_refused_before_any_node_is_touched(bad_numbers: str, message: str) -> None:
+    assert message in bad_numbers
+    assert "The request cannot be planned" in bad_numbers
+    assert "nothing was changed on any node" in bad_numbers
+    # The refusal is the first play's, on localhost: no node appears in the recap.
+    recap = bad_numbers[bad_numbers.index("PLAY RECAP") :]
+    assert "localhost" in recap
+    assert " a " not in recap
+    assert " b " not in recap

@@ -1,0 +1,955 @@
+"""The run planner (plugins/filter/run_plan.py), rule by rule, with the project's own data.
+
+The catalogue and the rules are read from group_vars/all/models.yml and training.yml, so these
+tests check what train.yml plans today; the playbook path is in tests/test_train_validation.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str, path: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+rp = _load("run_plan", ROOT / "plugins/filter/run_plan.py")
+bench = _load("bench_lf", ROOT / "bench/bench_lf.py")
+
+CATALOGUE = yaml.safe_load((ROOT / "group_vars/all/models.yml").read_text())["models_catalogue"]
+TRAINING = yaml.safe_load((ROOT / "group_vars/all/training.yml").read_text())
+STAGES = ["none", "zero0", "zero2", "zero3", "zero3_offload", "fsdp"]
+SETTINGS = {
+    "catalogue": CATALOGUE,
+    "defaults": TRAINING["training_defaults"],
+    "rules": TRAINING["training_profile_rules"],
+    "memory": TRAINING["training_memory"],
+    "compile": TRAINING["training_compile"],
+    "stages": STAGES,
+}
+H200_GIB = round(143771 / 1024, 1)  # what an H200 reports (nvidia-smi memory.total, MiB)
+RTX4090_GIB = round(24564 / 1024, 1)  # a 24 GB card
+GPU_MODELS = sorted(m for m in CATALOGUE if m != "tiny")
+QWEN25_7B_CONFIG = {  # Qwen2.5-7B's config.json, the fields that matter
+    "model_type": "qwen2",
+    "architectures": ["Qwen2ForCausalLM"],
+    "hidden_size": 3584,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "intermediate_size": 18944,
+    "vocab_size": 152064,
+    "tie_word_embeddings": False,
+    "rope_theta": 1000000.0,
+}
+
+
+def nodes(
+    count: int = 1, nproc: int = 1, gib: float | None = H200_GIB, accelerator: str = "nvidia"
+) -> list[dict[str, Any]]:
+    return [
+        {
+            "host": f"n{i}",
+            "rank": i,
+            "accelerator": accelerator,
+            "nproc": nproc,
+            "gpu_memory_gib": None if accelerator == "cpu" else gib,
+            "memory_source": "CPU node" if accelerator == "cpu" else "facts, GPU",
+        }
+        for i in range(count)
+    ]
+
+
+def request(model: str = "qwen2.5-7b", **extra: Any) -> dict[str, Any]:
+    asked = {
+        "model": model,
+        "deepspeed": "auto",
+        "train_args": {},
+        "tokens_per_step": TRAINING["training_tokens_per_step"],
+        "max_restarts": 0,
+        "cutoff_len": 0,
+        "timestamp": "20260101-000000",
+    }
+    asked.update(extra)
+    return asked
+
+
+def make_plan(
+    model: str = "qwen2.5-7b",
+    *,
+    cluster: list[dict[str, Any]] | None = None,
+    settings: dict[str, Any] | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    cluster = nodes() if cluster is None else cluster
+    return rp.plan(
+        request(model, **extra),
+        nodes=cluster,
+        ranks={n["host"]: n["rank"] for n in cluster},
+        datasets=[{"name": "demo_alpaca", "file": "data/demo_alpaca.json", "formatting": "alpaca"}],
+        settings=settings or SETTINGS,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The DeepSpeed stage: every catalogue model x GPU memory x node count x fine-tuning type.
+# ---------------------------------------------------------------------------------------------
+
+# One GPU per node (world size = node count). Cells: 24 | 48 | 80 | 141 GiB, each "1 2 4 nodes".
+# none = DDP, z2 = ZeRO-2, z3 = ZeRO-3, off = ZeRO-3 with CPU offload.
+STAGE_TABLE = {
+    ("llama3-8b", "lora"): "off z3 z3 | none none none | none none none | none none none",
+    ("llama3-8b", "full"): "off off off | off off z3 | off off z2 | off z2 z2",
+    ("qwen-7b", "lora"): "none none none | none none none | none none none | none none none",
+    ("qwen-7b", "full"): "off off off | off off z3 | off z3 z2 | off z2 z2",
+    ("qwen2.5-0.5b", "lora"): "none none none | none none none | none none none | none none none",
+    ("qwen2.5-0.5b", "full"): "none none none | none none none | none none none | none none none",
+    ("qwen2.5-1.5b", "lora"): "none none none | none none none | none none none | none none none",
+    ("qwen2.5-1.5b", "full"): "off z2 z2 | none none none | none none none | none none none",
+    ("qwen2.5-7b", "lora"): "none none none | none none none | none none none | none none none",
+    ("qwen2.5-7b", "full"): "off off off | off off z3 | off z3 z2 | off z2 z2",
+    ("qwen3-0.6b", "lora"): "none none none | none none none | none none none | none none none",
+    ("qwen3-0.6b", "full"): "none none none | none none none | none none none | none none none",
+    ("qwen3-1.7b", "lora"): "none none none | none none none | none none none | none none none",
+    ("qwen3-1.7b", "full"): "off z2 z2 | none none none | none none none | none none none",
+    ("qwen3-4b", "lora"): "none none none | none none none | none none none | none none none",
+    ("qwen3-4b", "full"): "off off off | off z2 z2 | off z2 z2 | none none none",
+    ("qwen3-8b", "lora"): "off z3 z3 | none none none | none none none | none none none",
+    ("qwen3-8b", "full"): "off off off | off off z3 | off off z2 | off z2 z2",
+}
+SHORT = {"none": "none", "zero2": "z2", "zero3": "z3", "zero3_offload": "off"}
+MEMORIES = (24, 48, 80, 141)
+NODE_COUNTS = (1, 2, 4)
+
+
+def stage_cases() -> list[tuple[str, str, int, int, str]]:
+    cases = []
+    for (model, finetuning), cells in STAGE_TABLE.items():
+        for gib, row in zip(MEMORIES, cells.split(" | "), strict=True):
+            for count, stage in zip(NODE_COUNTS, row.split(), strict=True):
+                cases.append((model, finetuning, gib, count, stage))
+    return cases
+
+
+def test_the_stage_table_covers_every_catalogue_model() -> None:
+    assert sorted({model for model, _ in STAGE_TABLE}) == GPU_MODELS
+
+
+@pytest.mark.parametrize(("model", "finetuning", "gib", "count", "stage"), stage_cases())
+def test_deepspeed_stage(model: str, finetuning: str, gib: int, count: int, stage: str) -> None:
+    plan = make_plan(model, cluster=nodes(count, gib=gib), finetuning_type=finetuning)
+    assert SHORT[plan["deepspeed"]] == stage
+    assert plan["memory_estimate_gib"] <= plan["memory_budget_gib"]
+
+
+@pytest.mark.parametrize("model", GPU_MODELS)
+@pytest.mark.parametrize("gib", MEMORIES)
+def test_freeze_plans_like_lora(model: str, gib: int) -> None:
+    lora = make_plan(model, cluster=nodes(2, gib=gib), finetuning_type="lora")
+    freeze = make_plan(model, cluster=nodes(2, gib=gib), finetuning_type="freeze")
+    assert freeze["deepspeed"] == lora["deepspeed"]
+    assert freeze["gradient_checkpointing"] == lora["gradient_checkpointing"]
+
+
+def test_eight_gpu_nodes_shard_a_full_7b_with_zero2_not_zero3() -> None:
+    plan = make_plan(cluster=nodes(2, nproc=8, gib=80), finetuning_type="full")
+    assert plan["deepspeed"] == "zero2"
+    assert plan["world_size"] == 16
+
+
+def test_a_stage_asked_for_is_kept_and_said_so() -> None:
+    plan = make_plan("qwen2.5-0.5b", deepspeed="zero3")
+    assert plan["deepspeed"] == "zero3"
+    assert "DeepSpeed: zero3 (deepspeed=zero3 given)" in plan["summary"]
+
+
+def test_a_stage_asked_for_that_does_not_fit_is_refused() -> None:
+    with pytest.raises(rp.PlanError, match="does not fit the GPUs: deepspeed=none"):
+        make_plan("llama3-8b", cluster=nodes(1, gib=24), finetuning_type="full", deepspeed="none")
+
+
+def test_cpu_clusters_train_with_plain_ddp() -> None:
+    plan = make_plan("tiny", cluster=nodes(2, accelerator="cpu"))
+    assert plan["deepspeed"] == "none"
+    assert plan["gpu_memory_gib"] is None
+    assert "CPU cluster" in plan["decisions"]["deepspeed"]
+
+
+def test_the_plan_is_for_the_smallest_gpu_of_any_node() -> None:
+    cluster = nodes(2, gib=H200_GIB)
+    cluster[1]["gpu_memory_gib"] = 24.0
+    plan = make_plan("qwen2.5-1.5b", cluster=cluster, finetuning_type="full")
+    alone = make_plan("qwen2.5-1.5b", cluster=nodes(2, gib=24.0), finetuning_type="full")
+    assert plan["gpu_memory_gib"] == 24.0
+    assert plan["deepspeed"] == alone["deepspeed"] == "zero2"
+    assert any("smallest node: n1" in line for line in plan["summary"])
+
+
+def test_a_model_too_long_for_any_stage_is_refused() -> None:
+    with pytest.raises(rp.PlanError, match=r"even with ZeRO-3 and CPU offload.*Lower cutoff_len"):
+        make_plan("llama3-8b", cluster=nodes(1, gib=24), cutoff_len=65536)
+
+
+def test_a_profile_rule_may_choose_the_stage() -> None:
+    rules = [
+        *SETTINGS["rules"],
+        {"name": "ZeRO-2 for 8B", "when": {"model": "llama3-8b"}, "set": {"deepspeed": "zero2"}},
+    ]
+    plan = make_plan("llama3-8b", settings={**SETTINGS, "rules": rules})
+    assert plan["deepspeed"] == "zero2"
+    assert "deepspeed" not in plan["train_args"]
+    asked = make_plan("llama3-8b", settings={**SETTINGS, "rules": rules}, deepspeed="zero3")
+    assert asked["deepspeed"] == "zero3"
+
+
+# ---------------------------------------------------------------------------------------------
+# The profile rules (data) and what they produce.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_gpu_profile_sets_precision_attention_and_packing() -> None:
+    args = make_plan()["train_args"]
+    assert args["bf16"] is True
+    assert args["pure_bf16"] is False
+    assert args["flash_attn"] == "sdpa"
+    assert args["packing"] is True
+    assert args["neat_packing"] is False
+    assert "enable_liger_kernel" not in args  # Liger stays off (LLaMA-Factory's default)
+
+
+def test_cpu_profile_sets_fp32_single_workers_and_model_only_checkpoints() -> None:
+    plan = make_plan("tiny", cluster=nodes(2, accelerator="cpu"))
+    args = plan["train_args"]
+    assert args["bf16"] is False
+    assert (args["preprocessing_num_workers"], args["dataloader_num_workers"]) == (1, 0)
+    assert args["save_only_model"] is True
+    assert "packing" not in args
+    assert "torch_compile" not in args
+    single = make_plan("tiny", cluster=nodes(1, accelerator="cpu"))["train_args"]
+    assert "save_only_model" not in single  # the rule needs min_world_size 2
+
+
+def test_pretraining_is_not_packed_by_the_sft_rule() -> None:
+    args = make_plan(train_args={"stage": "pt"})["train_args"]
+    assert "packing" not in args
+
+
+def test_rules_match_lists_and_ranges() -> None:
+    facts = {"accelerator": "nvidia", "params_b": 7.6, "gpu_memory_gib": 80.0, "world_size": 2}
+    assert rp.rule_matches({"when": {"accelerator": ["cpu", "nvidia"]}}, facts)
+    assert rp.rule_matches({"when": {"min_params_b": 7, "max_params_b": 8}}, facts)
+    assert not rp.rule_matches({"when": {"max_params_b": 3}}, facts)
+    assert not rp.rule_matches({"when": {"min_world_size": 4}}, facts)
+    assert not rp.rule_matches({"when": {"min_gpu_memory_gib": 24}}, {"gpu_memory_gib": None})
+    assert rp.rule_matches({"set": {}}, facts)  # no `when`: always
+
+
+def test_later_rules_win_and_every_matching_rule_is_named() -> None:
+    rules = [
+        {"name": "first", "when": {"accelerator": "nvidia"}, "set": {"logging_steps": 5}},
+        {"name": "second", "when": {"min_params_b": 1}, "set": {"logging_steps": 7}},
+        {"name": "never", "when": {"accelerator": "cpu"}, "set": {"logging_steps": 9}},
+    ]
+    settings, names = rp.apply_rules(rules, {"accelerator": "nvidia", "params_b": 7.6})
+    assert settings == {"logging_steps": 7}
+    assert names == ["first", "second"]
+
+
+def test_a_rule_testing_an_unknown_key_is_refused_with_the_keys_allowed() -> None:
+    rules = [{"name": "typo", "when": {"acelerator": "nvidia"}, "set": {"bf16": True}}]
+    with pytest.raises(rp.PlanError, match=r"'typo'.*tests acelerator.*Keys a rule can test: "):
+        make_plan(settings={**SETTINGS, "rules": rules})
+
+
+def test_every_rule_key_is_documented_in_training_yml() -> None:
+    text = (ROOT / "group_vars/all/training.yml").read_text()
+    for key in rp.RULE_KEYS:
+        assert key in text, key
+
+
+def test_the_users_train_args_win_over_the_profile_and_the_defaults() -> None:
+    plan = make_plan(train_args={"packing": False, "learning_rate": 2e-5, "bf16": False})
+    assert plan["train_args"]["packing"] is False
+    assert plan["train_args"]["bf16"] is False
+    assert plan["train_args"]["learning_rate"] == 2e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# Micro-batch, accumulation, checkpointing: the batch rule and the effective batch.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_rows_per_step_come_from_tokens_per_step_and_cutoff() -> None:
+    plan = make_plan("qwen2.5-0.5b", cutoff_len=1024, tokens_per_step=6144)
+    assert plan["train_args"]["per_device_train_batch_size"] == 6
+    assert plan["train_args"]["gradient_accumulation_steps"] == 1
+    assert plan["tokens_per_step"] == 6144
+
+
+def test_rows_round_to_whole_rows() -> None:
+    plan = make_plan("qwen2.5-0.5b", tokens_per_step=3072)  # 1.5 rows of 2048
+    assert plan["tokens_per_step"] == 4096
+
+
+def test_the_micro_batch_is_the_largest_divisor_that_fits_without_checkpointing() -> None:
+    # 7B LoRA on 80 GiB: 4 rows of 2048 per step; 3 would not fit, 2 do: 2 x 2.
+    plan = make_plan(cluster=nodes(1, gib=80))
+    args = plan["train_args"]
+    assert (args["per_device_train_batch_size"], args["gradient_accumulation_steps"]) == (2, 2)
+    assert args["disable_gradient_checkpointing"] is True
+    assert args["ddp_find_unused_parameters"] is False
+
+
+def test_checkpointing_stays_on_where_no_micro_batch_fits_without_it() -> None:
+    plan = make_plan(cluster=nodes(1, gib=RTX4090_GIB))
+    args = plan["train_args"]
+    assert plan["deepspeed"] == "none"
+    assert plan["gradient_checkpointing"] is True
+    assert "disable_gradient_checkpointing" not in args
+    assert "ddp_find_unused_parameters" not in args
+    assert (args["per_device_train_batch_size"], args["gradient_accumulation_steps"]) == (1, 4)
+    assert "would not fit without recomputing" in plan["decisions"]["checkpointing"]
+
+
+def test_a_micro_batch_the_user_sets_is_kept_and_the_accumulation_follows() -> None:
+    plan = make_plan("qwen2.5-0.5b", cutoff_len=1024, train_args={"per_device_train_batch_size": 2})
+    args = plan["train_args"]
+    assert (args["per_device_train_batch_size"], args["gradient_accumulation_steps"]) == (2, 4)
+
+
+def test_an_accumulation_the_user_sets_is_kept_and_the_micro_batch_follows() -> None:
+    plan = make_plan("qwen2.5-0.5b", cutoff_len=1024, train_args={"gradient_accumulation_steps": 2})
+    args = plan["train_args"]
+    assert (args["per_device_train_batch_size"], args["gradient_accumulation_steps"]) == (4, 2)
+
+
+def test_without_packing_the_batch_comes_from_the_defaults() -> None:
+    plan = make_plan("qwen2.5-0.5b", train_args={"packing": False})
+    args = plan["train_args"]
+    assert (args["per_device_train_batch_size"], args["gradient_accumulation_steps"]) == (1, 8)
+    assert any("at most: samples of up to 2048" in line for line in plan["summary"])
+
+
+def test_a_micro_batch_that_does_not_fit_is_refused_naming_the_setting() -> None:
+    with pytest.raises(rp.PlanError, match="smaller per_device_train_batch_size"):
+        make_plan(cluster=nodes(1, gib=24), train_args={"per_device_train_batch_size": 16})
+
+
+def test_checkpointing_the_user_asks_for_is_kept() -> None:
+    plan = make_plan("qwen2.5-0.5b", train_args={"disable_gradient_checkpointing": False})
+    assert plan["gradient_checkpointing"] is True
+    assert plan["decisions"]["checkpointing"] == "as set"
+
+
+@pytest.mark.parametrize(
+    ("count", "nproc", "accumulation", "effective"),
+    [(1, 1, None, 4), (2, 4, None, 32), (3, 8, 3, 1 * 3 * 3 * 8)],
+)
+def test_effective_batch_is_micro_times_accumulation_times_world(
+    count: int, nproc: int, accumulation: int | None, effective: int
+) -> None:
+    train_args = {"gradient_accumulation_steps": accumulation} if accumulation else {}
+    plan = make_plan(
+        "qwen2.5-0.5b", cluster=nodes(count, nproc=nproc), cutoff_len=2048, train_args=train_args
+    )
+    args = plan["train_args"]
+    world = count * nproc
+    assert plan["world_size"] == world
+    assert plan["effective_batch"] == effective
+    assert (
+        args["per_device_train_batch_size"] * args["gradient_accumulation_steps"] * world
+        == effective
+    )
+    assert plan["tokens_per_optimizer_step"] == plan["tokens_per_step"] * world
+
+
+def test_cpu_effective_batch_uses_the_catalogue_and_the_users_values() -> None:
+    plan = make_plan(
+        "tiny",
+        cluster=nodes(3, nproc=4, accelerator="cpu"),
+        train_args={"gradient_accumulation_steps": 3},
+    )
+    assert "Nodes 3 x 4 processes = world size 12 (cpu)" in plan["summary"]
+    assert plan["effective_batch"] == 72
+    assert plan["summary"][2].startswith(
+        "Effective batch 72 = per-device 2 x accumulation 3 x world size 12"
+    )
+
+
+def test_ddp_buckets_are_counted_only_with_more_than_one_rank() -> None:
+    one = rp.Memory(1e9, "full", None, 1, SETTINGS["memory"], None)
+    two = rp.Memory(1e9, "full", None, 2, SETTINGS["memory"], None)
+    assert one.state("none") == 16e9
+    assert two.state("none") == 20e9
+    assert two.state("zero2") == 2e9 + 14e9 / 2
+
+
+# ---------------------------------------------------------------------------------------------
+# The memory model against what BENCHMARKS.md section 1 measured (peak allocated, one H200).
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("model", "finetuning", "tokens", "world", "measured_gib"),
+    [
+        ("qwen2.5-0.5b", "full", 3072, 1, 16.3),
+        ("qwen2.5-0.5b", "full", 8192, 1, 32.6),
+        ("qwen2.5-1.5b", "full", 3072, 1, 35.0),
+        ("qwen2.5-1.5b", "full", 8192, 1, 59.6),
+        ("qwen2.5-0.5b", "full", 3072, 2, 18.2),  # two nodes: + DDP's gradient buckets
+        ("qwen2.5-1.5b", "full", 3072, 2, 40.7),
+        ("qwen2.5-7b", "lora", 3072, 1, 38.0),  # issue 17, eager
+    ],
+)
+def test_the_memory_model_overestimates_every_measured_peak_by_at_most_15_percent(
+    model: str, finetuning: str, tokens: int, world: int, measured_gib: float
+) -> None:
+    entry = CATALOGUE[model]
+    memory = rp.Memory(
+        rp.model_params(entry["config"]),
+        finetuning,
+        rp.model_shape(entry["config"]),
+        world,
+        SETTINGS["memory"],
+        None,
+    )
+    estimate = memory.need("none", tokens, checkpointing=False) / rp.GIB
+    assert measured_gib <= estimate <= measured_gib * 1.15
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 17: the plans for the benchmarked models reproduce the benchmarked settings.
+# ---------------------------------------------------------------------------------------------
+
+# The keys bench/bench_lf.py's presets set that the planner decides.
+PLANNED = [
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "packing",
+    "neat_packing",
+    "disable_gradient_checkpointing",
+    "ddp_find_unused_parameters",
+    "bf16",
+    "flash_attn",
+]
+
+
+def _benchmarked(preset: str) -> dict[str, Any]:
+    settings = bench.PRESETS[preset]
+    return {key: settings[key] for key in PLANNED}
+
+
+@pytest.mark.parametrize(
+    ("tokens", "preset"), [(3072, "profile_noliger"), (8192, "profile_noliger_mb8")]
+)
+def test_h200_plan_for_the_1_5b_full_fine_tune_is_the_benchmarked_profile(
+    tokens: int, preset: str
+) -> None:
+    plan = make_plan(
+        "qwen2.5-1.5b", finetuning_type="full", cutoff_len=1024, tokens_per_step=tokens
+    )
+    assert plan["deepspeed"] == "none"
+    assert plan["model"]["cutoff_len"] == bench.PRESETS[preset]["cutoff_len"]
+    assert {key: plan["train_args"].get(key) for key in PLANNED} == _benchmarked(preset)
+    assert not plan["train_args"].get("enable_liger_kernel", False)
+    assert plan["train_args"]["pure_bf16"] is False
+
+
+def test_h200_plan_for_the_7b_lora_is_3_packed_rows_without_checkpointing() -> None:
+    # Issue 17: the same LoRA with 3 packed rows of 1024 and no checkpointing, 8.9x the example.
+    plan = make_plan("qwen2.5-7b", cutoff_len=1024, tokens_per_step=3072)
+    args = plan["train_args"]
+    assert plan["deepspeed"] == "none"
+    assert plan["model"]["finetuning_type"] == "lora"
+    assert {key: args.get(key) for key in PLANNED} == _benchmarked("profile_noliger")
+    assert plan["memory_estimate_gib"] >= 38.0  # measured peak, eager
+
+
+def test_torch_compile_is_on_for_a_long_h200_run_and_off_for_a_short_one() -> None:
+    long = make_plan(
+        "qwen2.5-7b", cutoff_len=1024, tokens_per_step=3072, train_args={"max_steps": 5000}
+    )
+    short = make_plan(
+        "qwen2.5-7b", cutoff_len=1024, tokens_per_step=3072, train_args={"max_steps": 80}
+    )
+    assert long["train_args"]["torch_compile"] is True
+    assert "torch_compile" not in short["train_args"]
+    assert "fewer than the 3000" in short["decisions"]["torch_compile"]
+
+
+def test_24gb_plans_for_the_benchmarked_models() -> None:
+    full = make_plan(
+        "qwen2.5-1.5b",
+        cluster=nodes(1, gib=RTX4090_GIB),
+        finetuning_type="full",
+        cutoff_len=1024,
+        tokens_per_step=3072,
+    )
+    # 16 bytes per parameter (24.7 GB) do not fit: the optimizer and weights go to CPU memory,
+    # and the 3 rows then fit without checkpointing.
+    assert full["deepspeed"] == "zero3_offload"
+    assert full["train_args"]["per_device_train_batch_size"] == 3
+    assert full["train_args"]["disable_gradient_checkpointing"] is True
+    assert "torch_compile" not in full["train_args"]
+    lora = make_plan(
+        "qwen2.5-7b", cluster=nodes(1, gib=RTX4090_GIB), cutoff_len=1024, tokens_per_step=3072
+    )
+    # 15 GB of bf16 weights leave room for one checkpointed row: 1 x 3, the same tokens per step.
+    assert lora["deepspeed"] == "none"
+    args = lora["train_args"]
+    assert (args["per_device_train_batch_size"], args["gradient_accumulation_steps"]) == (1, 3)
+    assert lora["gradient_checkpointing"] is True
+    assert lora["tokens_per_step"] == 3072
+    for plan in (full, lora):
+        assert plan["train_args"]["packing"] is True
+        assert plan["memory_estimate_gib"] <= plan["memory_budget_gib"] < RTX4090_GIB
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_compile_steps_are_estimated_from_the_record_count() -> None:
+    # 4 rows of 2048 tokens, each about 4 records of 512 tokens: 16 records per step.
+    plan = make_plan("qwen2.5-0.5b", dataset_records=10000)  # 625 steps an epoch, 3 epochs
+    assert plan["decisions"]["estimated_steps"] == "1875"
+    assert "torch_compile" not in plan["train_args"]
+    longer = make_plan("qwen2.5-0.5b", dataset_records=50000)
+    assert longer["decisions"]["estimated_steps"] == "9375"
+    assert longer["train_args"]["torch_compile"] is True
+
+
+def test_compile_is_off_when_the_run_length_is_unknown() -> None:
+    plan = make_plan("qwen2.5-0.5b")
+    assert "torch_compile" not in plan["train_args"]
+    assert "run length unknown" in plan["decisions"]["torch_compile"]
+
+
+def test_compile_is_never_on_for_cpus_or_deepspeed() -> None:
+    cpu = make_plan("tiny", cluster=nodes(2, accelerator="cpu"), train_args={"max_steps": 10**5})
+    zero = make_plan("qwen2.5-0.5b", deepspeed="zero2", train_args={"max_steps": 10**5})
+    assert "torch_compile" not in cpu["train_args"]
+    assert "torch_compile" not in zero["train_args"]
+    assert cpu["decisions"]["torch_compile"] == "never on CPUs"
+
+
+def test_compile_the_user_turns_off_stays_off() -> None:
+    plan = make_plan("qwen2.5-0.5b", train_args={"max_steps": 10**5, "torch_compile": False})
+    assert plan["train_args"]["torch_compile"] is False
+    assert plan["decisions"]["torch_compile"] == "as set"
+
+
+# ---------------------------------------------------------------------------------------------
+# The model: size from config.json, remote code, the catalogue.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_7b_shaped_config_counts_qwen2_5_7b_parameters() -> None:
+    assert rp.model_params(QWEN25_7B_CONFIG) == 7_615_616_512  # transformers' own count
+
+
+@pytest.mark.parametrize("finetuning", ["lora", "full"])
+@pytest.mark.parametrize("gib", MEMORIES)
+@pytest.mark.parametrize("count", NODE_COUNTS)
+def test_a_model_sized_by_its_config_plans_like_the_catalogues_7b(
+    finetuning: str, gib: int, count: int
+) -> None:
+    cluster = nodes(count, gib=gib)
+    catalogue = make_plan("qwen2.5-7b", cluster=cluster, finetuning_type=finetuning)
+    own = make_plan(
+        "my-7b",
+        cluster=cluster,
+        finetuning_type=finetuning,
+        model_path="/models/my-7b",
+        model_template="qwen",
+        model_config=QWEN25_7B_CONFIG,
+    )
+    assert own["model"]["params_source"] == "counted from config.json"
+    assert own["deepspeed"] == catalogue["deepspeed"]
+    assert own["gradient_checkpointing"] == catalogue["gradient_checkpointing"]
+    assert own["model"]["layer_class"] == "Qwen2DecoderLayer"
+
+
+def test_a_model_of_unknown_size_is_refused_asking_for_params_b() -> None:
+    with pytest.raises(rp.PlanError, match=r"size is unknown.*-e model_params_b=7\.6"):
+        make_plan("mine", model_path="/models/mine", model_template="qwen")
+
+
+def test_params_b_given_sizes_a_model_without_config() -> None:
+    plan = make_plan(
+        "mine", model_path="/models/mine", model_params_b="7.6", finetuning_type="full"
+    )
+    assert plan["model"]["params_b"] == 7.6
+    assert plan["deepspeed"] == "zero3_offload"
+    # Shape unknown: checkpointing on, one row per micro-batch.
+    assert plan["gradient_checkpointing"] is True
+    assert plan["train_args"]["per_device_train_batch_size"] == 1
+
+
+def test_remote_code_needs_trust_and_the_plan_says_so() -> None:
+    config = {**QWEN25_7B_CONFIG, "model_type": "qwen", "auto_map": {"AutoModelForCausalLM": "x"}}
+    with pytest.raises(rp.PlanError, match=r"own modelling code.*-e trust_remote_code=true"):
+        make_plan("q1", model_path="/m/q1", model_config=config)
+    plan = make_plan("q1", model_path="/m/q1", model_config=config, trust_remote_code="true")
+    assert plan["model"]["trust_remote_code"] is True
+    assert "trust_remote_code" in plan["summary"][0]
+    assert rp.train_yaml(plan, "/r")["trust_remote_code"] is True
+
+
+@pytest.mark.parametrize("model", GPU_MODELS)
+def test_catalogue_sizes_match_their_configs(model: str) -> None:
+    entry = CATALOGUE[model]
+    assert rp.model_params(entry["config"]) == pytest.approx(entry["params_b"] * 1e9, rel=0.01)
+    assert entry["layer_class"] == rp.layer_class(entry["config"])
+    assert not entry.get("trust_remote_code", False)
+
+
+def test_the_catalogue_follows_the_seeds() -> None:
+    for name in ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b"):
+        assert CATALOGUE[name]["template"] == "qwen3"
+        assert CATALOGUE[name]["path"].startswith("Qwen/Qwen3-")
+    for name in ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "llama3-8b", "qwen-7b"):
+        assert name in CATALOGUE
+    # qwen-7b names a model transformers 5.6 loads natively (models.yml says why).
+    assert CATALOGUE["qwen-7b"]["path"] == "Qwen/Qwen2.5-7B-Instruct"
+
+
+TRAIN_PYTHON = Path(
+    os.environ.get("LLAMA_CLUSTER_TRAIN_PYTHON", "/var/cache/llama-cluster/venv-train/bin/python")
+)
+COUNT_WITH_TRANSFORMERS = """
+import json, sys, torch
+from transformers import AutoConfig, AutoModelForCausalLM
+out = {}
+for name, config in json.load(sys.stdin).items():
+    config = {k: v for k, v in config.items() if k != "architectures"}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    out[name] = [sum(p.numel() for p in model.parameters()),
+                 type(model.model.layers[0]).__name__]
+print("COUNTS " + json.dumps(out))
+"""
+
+
+def test_parameter_count_matches_transformers_for_every_catalogue_config() -> None:
+    if not TRAIN_PYTHON.exists():
+        pytest.skip(f"no training venv at {TRAIN_PYTHON}: run scripts/setup-train-venv.sh")
+    configs = {m: CATALOGUE[m]["config"] for m in GPU_MODELS}
+    done = subprocess.run(
+        [str(TRAIN_PYTHON), "-c", COUNT_WITH_TRANSFORMERS],
+        input=json.dumps(configs),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    lines = [x for x in done.stdout.splitlines() if x.startswith("COUNTS ")]
+    assert lines, done.stderr[-2000:]
+    counts = json.loads(lines[-1].removeprefix("COUNTS "))
+    for model, (count, layer) in counts.items():
+        assert rp.model_params(configs[model]) == count, model
+        assert rp.layer_class(configs[model]) == layer, model
+
+
+# ---------------------------------------------------------------------------------------------
+# The numbers a user gives: one schema, one message listing every bad value.
+# ---------------------------------------------------------------------------------------------
+
+BAD_VALUES = [
+    (
+        {"train_args": {"learning_rate": -1e-4}},
+        "train_args.learning_rate = -0.0001 (must be a number > 0)",
+    ),
+    (
+        {"train_args": {"learning_rate": "fast"}},
+        "train_args.learning_rate = 'fast' (must be a number > 0)",
+    ),
+    (
+        {"train_args": {"num_train_epochs": 0}},
+        "train_args.num_train_epochs = 0 (must be a number > 0)",
+    ),
+    (
+        {"train_args": {"per_device_train_batch_size": 0}},
+        "per_device_train_batch_size = 0 (must be an integer >= 1)",
+    ),
+    (
+        {"train_args": {"per_device_train_batch_size": 2.5}},
+        "per_device_train_batch_size = 2.5 (must be an integer >= 1)",
+    ),
+    (
+        {"train_args": {"gradient_accumulation_steps": -8}},
+        "gradient_accumulation_steps = -8 (must be an integer >= 1)",
+    ),
+    (
+        {"train_args": {"logging_steps": 0}},
+        "train_args.logging_steps = 0 (must be an integer >= 1)",
+    ),
+    (
+        {"train_args": {"save_steps": True}},
+        "train_args.save_steps = true (must be an integer >= 1)",
+    ),
+    (
+        {"train_args": {"max_steps": 0}},
+        "train_args.max_steps = 0 (must be an integer >= 1 or -1 (-1: train num_train_epochs))",
+    ),
+    (
+        {"train_args": {"warmup_ratio": 1.0}},
+        "train_args.warmup_ratio = 1.0 (must be a number in [0, 1))",
+    ),
+    ({"train_args": {"lora_rank": 0}}, "train_args.lora_rank = 0 (must be an integer >= 1)"),
+    ({"train_args": {"cutoff_len": -5}}, "train_args.cutoff_len = -5 (must be an integer >= 1)"),
+    ({"train_args": {"bf16": "maybe"}}, "train_args.bf16 = 'maybe' (must be true or false)"),
+    (
+        {"cutoff_len": "long"},
+        "-e cutoff_len = 'long' (must be an integer >= 1 or 0 (0: the catalogue's))",
+    ),
+    ({"cutoff_len": -1}, "-e cutoff_len = -1 (must be an integer >= 1 or 0"),
+    ({"max_restarts": -1}, "-e max_restarts = -1 (must be an integer >= 0)"),
+    ({"max_restarts": "twice"}, "-e max_restarts = 'twice' (must be an integer >= 0)"),
+    (
+        {"tokens_per_step": 0},
+        "-e tokens_per_step (training_tokens_per_step) = 0 (must be an integer >= 1)",
+    ),
+    (
+        {"model_params_b": "-7"},
+        "-e model_params_b (billions of parameters) = -7 (must be a number > 0)",
+    ),
+    ({"trust_remote_code": "perhaps"}, "-e trust_remote_code = 'perhaps' (must be true or false)"),
+    ({"finetuning_type": "qlora"}, "finetuning_type = 'qlora' (must be one of lora, freeze, full)"),
+    ({"deepspeed": "zero4"}, 'Unknown deepspeed="zero4". Use one of: auto, none, zero0'),
+    ({"train_args": "fast"}, "train_args must be a mapping of LLaMA-Factory arguments"),
+]
+
+
+@pytest.mark.parametrize(("extra", "message"), BAD_VALUES, ids=[m for _, m in BAD_VALUES])
+def test_a_bad_number_is_refused_saying_what_is_allowed(extra: dict, message: str) -> None:
+    with pytest.raises(rp.PlanError) as refused:
+        rp.check_request(request(**extra), CATALOGUE, STAGES)
+    assert message in str(refused.value)
+    assert "nothing was changed on any node" in str(refused.value)
+
+
+def test_every_bad_value_is_listed_in_one_message() -> None:
+    asked = request(
+        train_args={"learning_rate": 0, "warmup_ratio": -0.1, "lora_rank": "eight"},
+        max_restarts=-2,
+        tokens_per_step="many",
+    )
+    with pytest.raises(rp.PlanError) as refused:
+        rp.check_request(asked, CATALOGUE, STAGES)
+    lines = [x for x in str(refused.value).splitlines() if x.startswith("- ")]
+    assert len(lines) == 5
+
+
+def test_numbers_given_as_text_are_accepted_and_converted() -> None:
+    checked = rp.check_request(
+        request(
+            train_args={
+                "learning_rate": "5e-5",
+                "per_device_train_batch_size": "4",
+                "bf16": "true",
+                "my_own_key": "kept",
+            },
+            cutoff_len="1024",
+            max_restarts="3",
+            tokens_per_step="4096",
+            trust_remote_code="no",
+        ),
+        CATALOGUE,
+        STAGES,
+    )
+    assert checked["train_args"] == {
+        "learning_rate": 5e-5,
+        "per_device_train_batch_size": 4,
+        "bf16": True,
+        "my_own_key": "kept",
+    }
+    assert (checked["cutoff_len"], checked["max_restarts"], checked["tokens_per_step"]) == (
+        1024,
+        3,
+        4096,
+    )
+    assert checked["trust_remote_code"] is False
+
+
+def test_max_restarts_is_in_the_plan() -> None:
+    plan = make_plan(max_restarts="2")
+    assert plan["max_restarts"] == 2
+    assert "Restarts after a failure: at most 2" in plan["summary"]
+
+
+def test_an_unknown_model_lists_the_known_ones() -> None:
+    with pytest.raises(rp.PlanError, match=r'Unknown model "gpt-5"\. Known models: llama3-8b, '):
+        rp.check_request(request("gpt-5"), CATALOGUE, STAGES)
+
+
+# ---------------------------------------------------------------------------------------------
+# The nodes: accelerator, processes, GPU memory from facts.
+# ---------------------------------------------------------------------------------------------
+
+
+def hostvars(
+    accelerator: str = "nvidia", mib: list[int | None] | None = None, **extra: Any
+) -> dict:
+    settings: dict[str, Any] = {"cluster_accelerator": accelerator, "training_gpu_memory_gib": 80}
+    if mib is not None:
+        gpus = [{"index": i, "memory_mib": m, "name": "GPU"} for i, m in enumerate(mib)]
+        settings["ansible_local"] = {"llama_host": {"gpus": gpus, "gpu_count": len(gpus)}}
+    settings.update(extra)
+    return settings
+
+
+def test_nodes_that_disagree_on_the_accelerator_are_refused_naming_them() -> None:
+    hosts = {"a": hostvars("nvidia"), "b": hostvars("cpu"), "c": hostvars("nvidia")}
+    expected = r"disagree on cluster_accelerator \(cpu on b; nvidia on a, c\)"
+    with pytest.raises(rp.PlanError, match=expected):
+        rp.cluster_accelerator(["a", "b", "c"], hosts)
+    described = rp.describe_nodes({"a": 0, "b": 1, "c": 2}, hosts, {"a": 1, "b": 1, "c": 1})
+    with pytest.raises(rp.PlanError, match="disagree on cluster_accelerator"):
+        make_plan(cluster=described)
+
+
+def test_gpu_memory_is_the_smallest_gpu_the_node_trains_on() -> None:
+    mixed = hostvars(mib=[81559, 24564, 143771])
+    assert rp.node_gpu_memory("a", mixed) == (24.0, "facts, smallest of 3 GPUs")
+    chosen = hostvars(mib=[81559, 24564, 143771], gpu_ids=[0, 2])
+    assert rp.node_gpu_memory("a", chosen) == (79.6, "facts, smallest of 2 GPUs")
+
+
+def test_gpu_memory_falls_back_to_the_setting_only_where_facts_say_nothing() -> None:
+    no_driver = hostvars(mib=[None, None])
+    gib, source = rp.node_gpu_memory("a", no_driver)
+    assert gib == 80.0
+    assert source.startswith("training_gpu_memory_gib")
+    assert rp.node_gpu_memory("a", hostvars("cpu")) == (None, "CPU node")
+
+
+def test_gpu_ids_that_the_node_does_not_have_are_refused() -> None:
+    with pytest.raises(rp.PlanError, match=r"a: gpu_ids \[0, 4\] name GPUs \[4\].*GPUs \[0, 1\]"):
+        rp.node_gpu_memory("a", hostvars(mib=[81559, 81559], gpu_ids=[0, 4]))
+
+
+def test_only_gpu_nodes_without_cached_facts_are_read_before_planning() -> None:
+    hosts = {"a": hostvars(mib=[81559]), "b": hostvars(), "c": hostvars("cpu")}
+    assert rp.hosts_without_gpu_facts(["a", "b", "c"], hosts) == ["b"]
+
+
+def test_facts_in_ansible_facts_are_read_too() -> None:
+    gpus = [{"index": 0, "memory_mib": 24564}]
+    gathered = {"ansible_facts": {"local": {"llama_host": {"gpus": gpus}}}}
+    assert rp.node_gpu_memory("a", gathered)[0] == 24.0
+
+
+def test_nodes_with_different_process_counts_are_refused() -> None:
+    cluster = nodes(2)
+    cluster[1]["nproc"] = 2
+    with pytest.raises(rp.PlanError, match=r"different numbers of processes \(n0: 1, n1: 2\)"):
+        make_plan(cluster=cluster)
+
+
+@pytest.mark.parametrize("nproc", [0, -2, "four"])
+def test_a_process_count_that_is_not_positive_is_refused(nproc: Any) -> None:
+    cluster = nodes(2)
+    for node in cluster:
+        node["nproc"] = nproc
+    with pytest.raises(rp.PlanError, match="nproc_per_node must be an integer >= 1"):
+        make_plan(cluster=cluster)
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan's shape (resume.yml and main.yml read it) and what train.yaml gets.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_plan_keeps_the_shape_resume_and_the_playbooks_read() -> None:
+    plan = make_plan()
+    for key in (
+        "run_id",
+        "resume",
+        "model_name",
+        "model",
+        "datasets",
+        "deepspeed",
+        "nnodes",
+        "nproc_per_node",
+        "world_size",
+        "effective_batch",
+        "train_args",
+        "ranks",
+    ):
+        assert key in plan, key
+    assert plan["run_id"] == "train-20260101-000000-qwen2-5-7b"
+    assert plan["resume"] is False
+    json.dumps(plan)  # plan.json
+
+
+def test_a_resume_id_names_the_run() -> None:
+    plan = make_plan(resume_id="train-20250101-000000-tiny")
+    assert plan["run_id"] == "train-20250101-000000-tiny"
+    assert plan["resume"] is True
+
+
+def test_the_plan_shown_before_launch_lists_every_decision() -> None:
+    plan = make_plan(cluster=nodes(2, nproc=8), dataset_records=10**6)
+    text = "\n".join(plan["summary"])
+    for expected in (
+        "qwen2.5-7b (Qwen/Qwen2.5-7B-Instruct), lora, 7.62B parameters",
+        "Nodes 2 x 8 processes = world size 16 (nvidia)",
+        "Effective batch 64 = per-device 4 x accumulation 1 x world size 16",
+        "Tokens per optimizer step: 8192 per process x 16 = 131072 (packed rows of 2048 tokens)",
+        "DeepSpeed: none (chosen by the rule in group_vars/all/training.yml",
+        "Gradient checkpointing: off",
+        "Packing: on; torch.compile: on",
+        f"GPU memory planned for: {H200_GIB} GiB per GPU",
+        "Datasets: demo_alpaca",
+    ):
+        assert expected in text, expected
+
+
+def test_train_yaml_adds_the_model_data_and_paths() -> None:
+    plan = make_plan("qwen2.5-0.5b", cluster=nodes(2), deepspeed="zero2")
+    args = rp.train_yaml(plan, "/runs/r1")
+    assert args["model_name_or_path"] == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert args["deepspeed"] == "/runs/r1/ds_config.json"
+    assert (args["dataset_dir"], args["output_dir"]) == ("/runs/r1/data", "/runs/r1/output")
+    assert args["cutoff_len"] == 2048
+    assert args["save_on_each_node"] is True
+    assert not any(key.startswith("lora_") for key in args)  # a full fine-tune
+    shared = rp.train_yaml(plan, "/runs/r1", shared_storage=True)
+    assert "save_on_each_node" not in shared
+    fsdp = rp.train_yaml({**plan, "deepspeed": "fsdp"}, "/runs/r1")
+    assert fsdp["fsdp_config"] == "/runs/r1/fsdp_config.json"
+    assert "deepspeed" not in fsdp
+
+
+def test_dataset_info_registers_each_file_beside_it() -> None:
+    info = rp.dataset_info(
+        [{"name": "a", "file": "x/a.json", "formatting": "sharegpt", "columns": {"messages": "c"}}]
+    )
+    assert info == {
+        "a": {"formatting": "sharegpt", "columns": {"messages": "c"}, "file_name": "a.json"}
+    }
+
+
+def test_the_projects_own_settings_pass_the_same_schema() -> None:
+    defaults = {**SETTINGS["defaults"], "learning_rate": 0}
+    with pytest.raises(rp.PlanError, match=r"training_defaults \(group_vars/all/training.yml\)"):
+        make_plan(settings={**SETTINGS, "defaults": defaults})
+    rules = [{"name": "bad", "set": {"per_device_train_batch_size": -1}}]
+    with pytest.raises(rp.PlanError, match=r"profile rule 'bad'.*per_device_train_batch_size"):
+        make_plan(settings={**SETTINGS, "rules": rules})
