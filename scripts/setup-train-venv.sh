@@ -12,6 +12,8 @@ set -euo pipefail
 cache="${LLAMA_CLUSTER_CACHE:-$HOME/.cache/llama-cluster}"
 python_bin="${LLAMA_CLUSTER_TRAIN_PYTHON:-$cache/venv-train/bin/python}"
 venv_dir="$(dirname "$(dirname "$python_bin")")"
+# serve/TensorBoard tests (molecule/train/tests/test_serve.py): tensorboard, the pin of llamafactory_extra_versions, joins the venv on every successful way out.
+trap '[[ $? -ne 0 ]] || "$python_bin" -c "import tensorboard" 2>/dev/null || "$(dirname "$0")/../.venv/bin/python" -m pip --python "$python_bin" install -q --disable-pip-version-check tensorboard==2.21.0 || exit 1' EXIT
 
 find_wheelhouse() {
   local candidate
