@@ -161,10 +161,12 @@ def inject(lab: Lab, fault: str, play: subprocess.Popen) -> tuple[str, list[str]
         play.send_signal(signal.SIGKILL)
         play.wait()
     if fault in ("worker-process", "rank0-process", "controller-kill"):
-        workers = [
-            p for p in training(victim) if "launcher.py" in on(victim, f"cat /proc/{p}/cmdline")
+        ranks = [
+            int(line.split()[0])
+            for line in on(victim, "ps -eo pid=,args=").splitlines()
+            if "launcher.py" in line and "torchrun" not in line
         ]
-        on(victim, f"kill -9 {min(workers)}")
+        on(victim, f"kill -9 {min(ranks)}")
     elif fault == "node-freeze":
         sh("docker", "pause", victim)
         up.remove(victim)

@@ -145,12 +145,12 @@ def _wait_for_new_run(play: Play | None, before: list[str], step: int = FAULT_ST
 
 
 def _training_pids(node: str) -> list[int]:
-    """PIDs of the training processes (LLaMA-Factory's workers under torchrun) on a node."""
+    """PIDs of a node's ranks: LLaMA-Factory's workers that torchrun started (not torchrun)."""
     out = _node(node, "ps -eo pid=,args=")
     return [
         int(line.split()[0])
         for line in out.splitlines()
-        if "llamafactory" in line and "launcher.py" in line
+        if "launcher.py" in line and "torchrun" not in line
     ]
 
 
@@ -294,9 +294,9 @@ def test_killing_the_worker_stops_every_rank_and_names_it() -> None:
     said = _assert_failure_reported(done, WORKER, run_id)
     assert "exit status 1" in said or "killed by signal" in said, said[-3000:]
     assert "First error lines on" in said
-    # save_on_each_node: both nodes hold checkpoint-10, so the play recommends a resume.
+    # save_on_each_node: both nodes hold a checkpoint, so the play recommends a resume.
     assert re.search(
-        r"continue from checkpoint-10 \(on [\w, -]+\): ansible-playbook train.yml -e resume=true",
+        r"continue from checkpoint-\d+ \(on [\w, -]+\): ansible-playbook train.yml -e resume=true",
         said,
     ), said[-3000:]
     _assert_nothing_active()
