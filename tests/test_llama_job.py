@@ -47,9 +47,13 @@ if os.environ.get("GATE"):
     server.listen()
 steps, pause = int(os.environ["STEPS"]), float(os.environ["STEP_S"])
 stall_at = int(os.environ.get("STALL_AT", "-1"))
+give_up_at = int(os.environ.get("GIVE_UP_AT", "-1"))
 for step in range(1, steps + 1):
     time.sleep(pause)
     if step == stall_at:
+        time.sleep(3600)
+    if step == give_up_at:  # like torchrun once a rank died, then a launcher slow to exit
+        print("ChildFailedError: rank 1 died", flush=True)
         time.sleep(3600)
     if progress:
         with open(progress, "a") as log:
@@ -67,7 +71,9 @@ def _free_port() -> int:
 class Pair:
     """A master's and a worker's runner of one job on this machine."""
 
-    def __init__(self, tmp: Path, *, restarts: int = 0, steps: int = 30, **env: str) -> None:
+    def __init__(
+        self, tmp: Path, *, restarts: int = 0, steps: int = 30, give_up_at: int = 0, **env: str
+    ) -> None:
         self.tmp = tmp
         self.gate = _free_port()
         self.watchdog = _free_port()
@@ -81,6 +87,8 @@ class Pair:
                 extra["GATE"] = str(self.gate)
             else:
                 extra.pop("STALL_AT", None)
+                if give_up_at:
+                    extra["GIVE_UP_AT"] = str(give_up_at)
             (tmp / f"{host}.env").write_text(
                 "".join(f'{key}="{value}"\n' for key, value in extra.items())
             )
@@ -109,6 +117,7 @@ class Pair:
                 "state": str(tmp / f"{host}.state.json"),
                 "progress_file": str(self.progress) if master else "",
                 "max_restarts": restarts,
+                "fail_patterns": ["ChildFailedError"],
                 "timeouts": {
                     "start": 20,
                     "heartbeat": 0.5,
@@ -281,6 +290,16 @@ def test_a_killed_command_stops_the_other_node(pair_factory):
     assert (reason["node"], reason["kind"], reason["exit_status"]) == ("w", "exited", -9)
     assert pair.state("w")["reason"]["node"] == "w"  # every node records the same verdict
     assert elapsed < 10, f"{elapsed:.1f} s to stop every rank"
+    assert pair.leftovers() == []
+
+
+def test_a_command_that_says_it_failed_is_ended_without_waiting_for_it_to_exit(pair_factory):
+    pair = pair_factory(give_up_at=3)
+    elapsed = pair.wait_ended(timeout=30)
+    reason = pair.state("m")["reason"]
+    assert (reason["node"], reason["kind"]) == ("w", "exited"), pair.logs()
+    assert reason["message"] == "its command reported a failure (ChildFailedError: rank 1 died)"
+    assert elapsed < 10
     assert pair.leftovers() == []
 
 
