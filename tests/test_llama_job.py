@@ -47,9 +47,13 @@ if os.environ.get("GATE"):
     server.listen()
 steps, pause = int(os.environ["STEPS"]), float(os.environ["STEP_S"])
 stall_at = int(os.environ.get("STALL_AT", "-1"))
+give_up_at = int(os.environ.get("GIVE_UP_AT", "-1"))
 for step in range(1, steps + 1):
     time.sleep(pause)
     if step == stall_at:
+        time.sleep(3600)
+    if step == give_up_at:  # like torchrun once a rank died, then a launcher slow to exit
+        print("ChildFailedError: rank 1 died", flush=True)
         time.sleep(3600)
     if progress:
         with open(progress, "a") as log:
@@ -67,7 +71,9 @@ def _free_port() -> int:
 class Pair:
     """A master's and a worker's runner of one job on this machine."""
 
-    def __init__(self, tmp: Path, *, restarts: int = 0, steps: int = 30, **env: str) -> None:
+    def __init__(
+        self, tmp: Path, *, restarts: int = 0, steps: int = 30, give_up_at: int = 0, **env: str
+    ) -> None:
         self.tmp = tmp
         self.gate = _free_port()
         self.watchdog = _free_port()
@@ -81,6 +87,8 @@ class Pair:
                 extra["GATE"] = str(self.gate)
             else:
                 extra.pop("STALL_AT", None)
+                if give_up_at:
+                    extra["GIVE_UP_AT"] = str(give_up_at)
             (tmp / f"{host}.env").write_text(
                 "".join(f'{key}="{value}"\n' for key, value in extra.items())
             )
@@ -95,6 +103,7 @@ class Pair:
                 "watchdog_port": self.watchdog,
                 "master_port": self.gate,
                 "gate_port": self.gate if master else None,
+                "ports": [self.gate, self.watchdog] if master else [],
                 "token": "secret",
                 "command": [
                     sys.executable,
@@ -108,6 +117,7 @@ class Pair:
                 "state": str(tmp / f"{host}.state.json"),
                 "progress_file": str(self.progress) if master else "",
                 "max_restarts": restarts,
+                "fail_patterns": ["ChildFailedError"],
                 "timeouts": {
                     "start": 20,
                     "heartbeat": 0.5,
@@ -283,6 +293,16 @@ def test_a_killed_command_stops_the_other_node(pair_factory):
     assert pair.leftovers() == []
 
 
+def test_a_command_that_says_it_failed_is_ended_without_waiting_for_it_to_exit(pair_factory):
+    pair = pair_factory(give_up_at=3)
+    elapsed = pair.wait_ended(timeout=30)
+    reason = pair.state("m")["reason"]
+    assert (reason["node"], reason["kind"]) == ("w", "exited"), pair.logs()
+    assert reason["message"] == "its command reported a failure (ChildFailedError: rank 1 died)"
+    assert elapsed < 10
+    assert pair.leftovers() == []
+
+
 def test_a_vanished_node_stops_the_job(pair_factory):
     pair = pair_factory()
     pair.wait_running()
@@ -345,3 +365,92 @@ def test_a_stop_request_stops_every_node_without_restarting(pair_factory):
     assert pair.state("m")["phase"] == "stopped", pair.logs()
     assert pair.state("m")["restarts"] == []
     assert pair.leftovers() == []
+
+
+# ---------------------------------------------------------------------------------------------
+# The root side: start, status, list, wait, stop, without systemd (job_supervisor: process)
+# ---------------------------------------------------------------------------------------------
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="start and stop manage jobs as root")
+
+
+def _verb(records: Path, *args: str) -> dict:
+    done = subprocess.run(
+        [sys.executable, str(TOOL), *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "LLAMA_JOB_RECORDS": str(records)},
+        timeout=120,
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _specs(tmp_path: Path, **kwargs: object) -> Pair:
+    """The specs and files of a pair, without starting its runners."""
+    pair = Pair.__new__(Pair)
+    Pair.__init__(pair, tmp_path, **kwargs)  # writes the specs and starts runners by hand ...
+    pair.close()  # ... which this test does not want: it starts them through `start`
+    for name in ("m.state.json", "w.state.json", "m.log", "w.log", "trainer_log.jsonl"):
+        (tmp_path / name).unlink(missing_ok=True)
+    return pair
+
+
+@needs_root
+def test_start_status_and_stop_through_the_contract_without_systemd(tmp_path: Path):
+    records = tmp_path / "records"
+    pair = _specs(tmp_path, steps=200)
+    try:
+        for host in ("m", "w"):
+            started = _verb(
+                records, "start", "--spec", str(tmp_path / f"{host}.json"), "--user", "root",
+                "--supervisor", "process",
+            )  # fmt: skip
+            assert started["supervisor"] == "process", started
+            assert started["unit"] == f"llama-t-rank{0 if host == 'm' else 1}"
+        assert oct(records.stat().st_mode & 0o777) == "0o700"
+        ready = _verb(records, "wait", "--job", "t", "--until", "running", "--timeout", "30")
+        assert ready["reached"], ready
+        active = _verb(records, "list", "--active")["jobs"]
+        assert sorted(j["host"] for j in active) == ["m", "w"], _verb(records, "list")
+        again = _verb(records, "start", "--spec", str(tmp_path / "m.json"), "--user", "root")
+        assert "already runs" in again["error"]
+        stopped = _verb(records, "stop", "--job", "t", "--timeout", "20")
+        assert "m" in stopped["stopped"]  # the worker may have ended already: the master told it
+        assert {r["phase"] for r in stopped["ranks"]} == {"stopped"}
+        assert _verb(records, "list", "--active")["jobs"] == []
+        assert pair.leftovers() == []
+    finally:
+        _verb(records, "stop", "--job", "t", "--timeout", "5")
+        pair.close()
+
+
+@needs_root
+def test_start_refuses_a_taken_master_port_naming_the_process(tmp_path: Path):
+    records = tmp_path / "records"
+    pair = _specs(tmp_path)
+    stray = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(pair.gate), "--bind", "127.0.0.1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while not lj.listeners(pair.gate) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        refused = _verb(records, "start", "--spec", str(tmp_path / "m.json"), "--user", "root")
+        assert f"port {pair.gate} is in use by pid {stray.pid}" in refused["error"], refused
+        assert "http.server" in refused["error"]
+        assert _verb(records, "status", "--job", "t")["found"] is False
+    finally:
+        stray.kill()
+        stray.wait()
+
+
+def test_root_never_reads_a_state_file_through_a_link(tmp_path: Path):
+    secret = tmp_path / "secret"
+    secret.write_text('{"phase": "succeeded"}')
+    link = tmp_path / "state.json"
+    link.symlink_to(secret)
+    assert lj.read_json_untrusted(link, (os.getuid(),)) == {}
+    assert lj.read_json_untrusted(secret, (os.getuid(),)) == {"phase": "succeeded"}
+    assert lj.read_json_untrusted(secret, (os.getuid() + 1,)) == {}  # not the job user's file

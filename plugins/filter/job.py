@@ -195,9 +195,9 @@ def job_resume_advice(
             f"Bring it back (a run resumes on the same nodes), then: {resume}"
         )
     if empty:
-        where = ", ".join(empty)
+        where = ", ".join(empty) + (" have" if len(empty) > 1 else " has")
         return (
-            f"No resume: {where} has no checkpoint of this run (one is written every save_steps "
+            f"No resume: {where} no checkpoint of this run (one is written every save_steps "
             f"steps). {fix}start a new run (ansible-playbook train.yml -e model=... as before)."
         )
     common = set(_steps(checkpoints[needs[0]])) if needs else set()
