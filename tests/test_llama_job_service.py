@@ -9,13 +9,10 @@ this machine, as in tests/test_llama_job.py.
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import json
 import os
 import pwd
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,8 +20,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-TOOL = ROOT / "roles" / "job_supervisor" / "files" / "llama-job"
+from tests.test_llama_job import TOOL, _free_port, lj
 
 # The service: listens on its port, writes what it saw of its secret, then serves until stopped.
 SERVICE = r"""
@@ -40,23 +36,6 @@ while True:
     time.sleep(1)
 """
 SECRET = "sk-test-4f1c9a"
-
-
-def _load():
-    loader = importlib.machinery.SourceFileLoader("llama_job_tool", str(TOOL))
-    spec = importlib.util.spec_from_loader("llama_job_tool", loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
-
-
-lj = _load()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Service:

@@ -8,11 +8,6 @@ The lab proves the rest end to end: molecule/train/tests/test_serve.py.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from plugins.filter.serve import (
@@ -28,9 +23,8 @@ from plugins.filter.serve import (
     tracking_train_args,
     url,
 )
+from tests.test_train_validation import _inventory, _node, _train
 
-ROOT = Path(__file__).resolve().parents[1]
-ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
 CATALOGUE = {
     "tiny": {"path": "/opt/llama-cluster/models/tiny", "template": "qwen"},
     "qwen-7b": {"path": "Qwen/Qwen2.5-7B-Instruct", "template": "qwen"},
@@ -271,36 +265,6 @@ def test_tensorboard_true_adds_tensorboard_to_report_to():
 # ---------------------------------------------------------------------------------------------
 # The playbooks refuse on the controller
 # ---------------------------------------------------------------------------------------------
-def _inventory(tmp: Path) -> Path:
-    node = {"ansible_host": "192.0.2.1", "cluster_accelerator": "cpu", "nproc_per_node": 1}
-    worker = {**node, "ansible_host": "192.0.2.2"}
-    path = tmp / "inventory.yml"
-    path.write_text(
-        "all:\n  children:\n    cluster:\n      children:\n"
-        f"        master:\n          hosts:\n            a: {json.dumps(node)}\n"
-        f"        workers:\n          hosts:\n            b: {json.dumps(worker)}\n"
-    )
-    return path
-
-
-def _play(tmp: Path, playbook: str, *extra: str) -> tuple[int, str]:
-    done = subprocess.run(
-        [str(ANSIBLE_PLAYBOOK), "-i", str(_inventory(tmp)), playbook, *extra],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-        env={
-            "ANSIBLE_NOCOLOR": "1",
-            "PATH": "/usr/bin:/bin",
-            "HOME": str(tmp),
-            "ANSIBLE_CACHE_PLUGIN_CONNECTION": str(tmp / "facts"),
-            "WANDB_API_KEY": "",
-        },
-    )
-    return done.returncode, " ".join((done.stdout + done.stderr).split())
-
-
 @pytest.mark.parametrize(
     ("playbook", "extra", "message"),
     [
@@ -317,7 +281,8 @@ def _play(tmp: Path, playbook: str, *extra: str) -> tuple[int, str]:
     ],
 )
 def test_a_bad_request_fails_before_any_node_is_contacted(tmp_path, playbook, extra, message):
-    rc, out = _play(tmp_path, playbook, *extra)
+    nodes = _inventory(tmp_path, {"a": _node("192.0.2.1")}, {"b": _node("192.0.2.2")})
+    rc, out = _train(nodes, *extra, playbook=playbook)
     assert rc != 0, out[-2000:]
     assert message in out, out[-2000:]
     assert "UNREACHABLE" not in out
