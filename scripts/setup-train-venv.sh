@@ -29,7 +29,10 @@ fi
 wheelhouse="${LLAMA_CLUSTER_WHEELHOUSE:-$cache/wheelhouse/cp$tag-pypi}"
 stamp="$(sha256sum "$lock" | cut -c1-16)"
 
-probe='import llamafactory, deepspeed, transformers, torch; print(llamafactory.__version__, deepspeed.__version__, transformers.__version__, torch.__version__)'
+# The serve and TensorBoard tests (molecule/train/tests/test_serve.py) need tensorboard too, at the
+# pin of llamafactory_extra_versions (it is no part of the node lock).
+tensorboard_pin=$(sed -n 's/^  tensorboard: "\(.*\)"$/\1/p' "$root/group_vars/all/versions.yml")
+probe='import llamafactory, deepspeed, transformers, torch, tensorboard; print(llamafactory.__version__, deepspeed.__version__, transformers.__version__, torch.__version__)'
 if [[ -x "$python_bin" && "$(cat "$venv_dir/.lock-stamp" 2>/dev/null)" == "$stamp" ]] \
   && "$python_bin" -c "$probe" >/dev/null 2>&1; then
   echo "ok: $python_bin has the training stack of $(basename "$lock"): $("$python_bin" -c "$probe" 2>/dev/null)"
@@ -53,5 +56,7 @@ echo "building $venv_dir from $(basename "$lock") and $wheelhouse"
 # uv's cache beside the venv (one filesystem: hard links, no second copy of the stack).
 UV_CACHE_DIR="${UV_CACHE_DIR:-$cache/uv}" UV_NO_CONFIG=1 "$uv" pip install --quiet \
   --python "$venv_dir/bin/python" --no-index --find-links "$wheelhouse" -r "$lock"
+UV_CACHE_DIR="${UV_CACHE_DIR:-$cache/uv}" UV_NO_CONFIG=1 "$uv" pip install --quiet \
+  --python "$venv_dir/bin/python" --find-links "$wheelhouse" "tensorboard==$tensorboard_pin"
 "$python_bin" -c "$probe"
 echo "$stamp" >"$venv_dir/.lock-stamp"

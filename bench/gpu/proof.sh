@@ -36,7 +36,7 @@ for phase in $phases; do
       ;;
     provision)
       say "provision: detect driver, CUDA, NCCL; record the stack (installs nothing it finds)"
-      playbook provision.yml --tags host_facts,nvidia_driver,cuda_toolkit,nccl,llamafactory 2>&1 \
+      playbook provision.yml --tags host_facts,nvidia_driver,cuda_toolkit,nccl,llamafactory,job_supervisor 2>&1 \
         | tee "$out/provision.log" | tail -25
       cp /etc/ansible/facts.d/llama_host.fact "$out/llama_host.json" 2>/dev/null
       cp /etc/ansible/facts.d/llama_stack.fact "$out/llama_stack.json" 2>/dev/null

@@ -382,19 +382,6 @@ def node_nproc(hostvars: Mapping[str, Any]) -> int:
     return count
 
 
-def job_peers(cluster: list[str], hostvars: Mapping[str, Any], master: str) -> list[dict[str, str]]:
-    """The nodes other than the master, each with its address and job unit."""
-    return [
-        {
-            "host": host,
-            "address": str(hostvars[host]["cluster_address"]).strip(),
-            "unit": str(hostvars[host]["__job_unit"]),
-        }
-        for host in cluster
-        if host != master
-    ]
-
-
 class FilterModule:
     """Cluster topology filters."""
 
@@ -404,5 +391,4 @@ class FilterModule:
             "inventory_report": inventory_report,
             "cluster_ranks": cluster_ranks,
             "node_nproc": node_nproc,
-            "job_peers": job_peers,
         }

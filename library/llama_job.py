@@ -1,0 +1,215 @@
+#!/usr/bin/python
+"""Ansible module: one node's side of the llama-job supervisor contract."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from typing import Any
+
+from ansible.module_utils.basic import AnsibleModule
+
+DOCUMENTATION = r"""
+module: llama_job
+short_description: Start, stop, follow and list llama-cluster jobs through llama-job
+description:
+  - Runs the node-side command C(llama-job) (installed by the job_supervisor role) and returns
+    what it printed, plus a progress line for the play's output.
+  - C(start) launches this node's runner of a job (a systemd transient unit, or a session of
+    its own where systemd does not run); C(stop) ends it; C(status) and C(list) report;
+    C(wait) returns once the job runs (O(until=running)) or has ended (O(until=ended)), or
+    after O(timeout) seconds, so that a task can poll it with C(until) and print progress;
+    C(ports) says who listens on TCP ports.
+options:
+  action:
+    description: The verb.
+    type: str
+    required: true
+    choices: [start, stop, status, list, wait, ports]
+  job:
+    description: The job id (stop, status, wait).
+    type: str
+  spec:
+    description: The job's specification file on this node (start).
+    type: path
+  user:
+    description: The account the job runs as (start).
+    type: str
+  group:
+    description: Its group (start).
+    type: str
+    default: ""
+  supervisor:
+    description: systemd, process (a session of its own) or auto (systemd where it runs).
+    type: str
+    choices: [auto, systemd, process]
+    default: auto
+  until:
+    description: What C(wait) waits for.
+    type: str
+    choices: [running, ended]
+    default: ended
+  timeout:
+    description: Seconds C(wait) waits at most, or C(stop) gives the processes to end.
+    type: float
+    default: 15
+  active:
+    description: C(list) only the jobs that still run.
+    type: bool
+    default: false
+  ports:
+    description: TCP ports for C(ports).
+    type: list
+    elements: int
+    default: []
+  bin:
+    description: Path of llama-job on the node.
+    type: path
+    default: /usr/local/sbin/llama-job
+author: llama-cluster
+"""
+
+RETURN = r"""
+ranks:
+  description: Per rank of the job on this node, its status (see roles/job/README.md).
+  type: list
+phase:
+  description: The job's phase as the master's runner sees it (status and wait).
+  type: str
+progress:
+  description: One human-readable line (status and wait).
+  type: str
+progress_data:
+  description: Rank 0's last trainer log record.
+  type: dict
+failed_hosts:
+  description: The node that failed first, when the job failed.
+  type: list
+done:
+  description: For wait, whether what was waited for happened.
+  type: bool
+"""
+
+
+def describe(rank: dict[str, Any]) -> str:
+    """One progress line from a rank's status."""
+    phase = rank.get("phase", "?")
+    record = rank.get("progress") or {}
+    restarts = len(rank.get("restarts") or [])
+    budget = rank.get("max_restarts") or 0
+    tail = f"  (restart {restarts} of {budget})" if restarts else ""
+    if phase == "restarting":
+        reason = rank.get("reason") or {}
+        return (
+            f"restarting after {reason.get('node')}: {reason.get('message')} "
+            f"(restart {restarts + 1} of {budget})"
+        )
+    if phase in ("starting", "waiting") and not record:
+        peers = rank.get("peers") or {}
+        joined = sum(1 for p in peers.values() if p.get("connected"))
+        return f"starting: {joined} of {len(peers)} other nodes joined{tail}"
+    if not record:
+        return f"{phase}{tail}"
+    parts = [f"step {record.get('current_steps', '?')}/{record.get('total_steps', '?')}"]
+    if isinstance(record.get("percentage"), int | float):
+        parts[0] += f" ({record['percentage']:.0f}%)"
+    if isinstance(record.get("loss"), int | float):
+        parts.append(f"loss {record['loss']:.4f}")
+    if isinstance(record.get("lr"), int | float):
+        parts.append(f"lr {record['lr']:.2e}")
+    if record.get("throughput"):
+        parts.append(f"{record['throughput']:.0f} tokens/s")
+    if record.get("elapsed_time"):
+        parts.append(f"elapsed {record['elapsed_time']}")
+    if record.get("remaining_time"):
+        parts.append(f"eta {record['remaining_time']}")
+    if phase != "running":
+        parts.insert(0, phase)
+    return "  ".join(parts) + tail
+
+
+def leading(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rank whose view speaks for the job here: the master's, else the first."""
+    return next((r for r in ranks if r.get("role") == "master"), ranks[0] if ranks else {})
+
+
+def main() -> None:
+    """Entry point."""
+    module = AnsibleModule(
+        argument_spec={
+            "action": {
+                "type": "str",
+                "required": True,
+                "choices": ["start", "stop", "status", "list", "wait", "ports"],
+            },
+            "job": {"type": "str"},
+            "spec": {"type": "path"},
+            "user": {"type": "str"},
+            "group": {"type": "str", "default": ""},
+            "supervisor": {
+                "type": "str",
+                "choices": ["auto", "systemd", "process"],
+                "default": "auto",
+            },
+            "until": {"type": "str", "choices": ["running", "ended"], "default": "ended"},
+            "timeout": {"type": "float", "default": 15},
+            "active": {"type": "bool", "default": False},
+            "ports": {"type": "list", "elements": "int", "default": []},
+            "bin": {"type": "path", "default": "/usr/local/sbin/llama-job"},
+        },
+        required_if=[
+            ("action", "start", ("spec", "user")),
+            ("action", "stop", ("job",)),
+            ("action", "status", ("job",)),
+            ("action", "wait", ("job",)),
+            ("action", "ports", ("ports",)),
+        ],
+        supports_check_mode=False,
+    )
+    params = module.params
+    action = params["action"]
+    argv = [params["bin"], action]
+    if action == "start":
+        argv += ["--spec", params["spec"], "--user", params["user"]]
+        argv += ["--group", params["group"], "--supervisor", params["supervisor"]]
+    elif action in ("stop", "status", "wait"):
+        argv += ["--job", params["job"]]
+    if action == "wait":
+        argv += ["--until", params["until"], "--timeout", str(params["timeout"])]
+    if action == "stop":
+        argv += ["--timeout", str(params["timeout"])]
+    if action == "list" and params["active"]:
+        argv.append("--active")
+    for port in params["ports"] if action == "ports" else ():
+        argv += ["--port", str(port)]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    except OSError as err:
+        module.fail_json(
+            msg=f"cannot run {params['bin']} ({err}): install it with provision.yml "
+            "(role job_supervisor)"
+        )
+    try:
+        result = json.loads(done.stdout.strip().splitlines()[-1]) if done.stdout.strip() else {}
+    except ValueError:
+        result = {}
+    if done.returncode != 0 or "error" in result:
+        module.fail_json(
+            msg=result.get("error") or f"llama-job {action} failed: {done.stderr.strip()[-2000:]}",
+            rc=done.returncode,
+        )
+    result["changed"] = action == "start" or bool(action == "stop" and result.get("stopped"))
+    if action in ("status", "wait"):
+        lead = leading(result.get("ranks") or [])
+        result["phase"] = lead.get("phase", "unknown") if lead else "unknown"
+        result["progress"] = describe(lead) if lead else f"no job {params['job']} on this node"
+        result["progress_data"] = lead.get("progress") or {}
+        reason = lead.get("reason") or {}
+        failed = result["phase"] == "failed" and reason.get("node")
+        result["failed_hosts"] = [reason["node"]] if failed else []
+        result["done"] = bool(result.get("reached")) if action == "wait" else True
+    module.exit_json(**result)
+
+
+if __name__ == "__main__":
+    main()

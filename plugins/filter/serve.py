@@ -1,0 +1,518 @@
+"""What playbooks/serve.yml serves and how, what playbooks/tensorboard.yml opens to whom, and what
+train.yml's experiment trackers need: the decisions, each with a unit test in tests/test_serve.py.
+
+- `serve_request`: the -e inputs checked together (what to serve, port, backend, sources);
+- `serve_model`: the model directory, adapter, template and name of a run, a catalogue model or
+  an export directory;
+- `serve_backend`: LLaMA-Factory's HF backend on CPUs, vLLM on GPUs that have it;
+- `service_sources` and `service_url_host`: who may reach a service's port, and where the
+  controller reaches it;
+- `tracking_plan`: report_to, the trackers' settings and their keys (secrets) for a run.
+
+Standard library only; errors are `ServeError` (a filter error in Ansible) naming the fix.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+try:  # Ansible turns a filter error into the task's failure message.
+    from ansible.errors import AnsibleFilterError as _BaseError
+except ImportError:  # pragma: no cover - usable without Ansible
+    _BaseError = ValueError  # type: ignore[assignment,misc]
+
+BACKENDS = ("auto", "huggingface", "vllm")
+STATES = ("present", "absent")
+CATALOGUE_FILE = "group_vars/all/models.yml"
+SERVE_FILE = "group_vars/all/serve.yml"
+SOURCE_RE = re.compile(r"^(any|[0-9a-fA-F.:]+(/[0-9]{1,3})?)$")
+# Connections whose ansible_host is where the controller itself reaches the node.
+NETWORK_CONNECTIONS = ("ssh", "paramiko", "paramiko_ssh", "smart", "ansible.builtin.ssh")
+
+
+class ServeError(_BaseError):
+    """A request that cannot be served, with what to change."""
+
+
+def _flag(value: object) -> bool:
+    """A boolean as Ansible's -e gives it (a string) or as YAML does."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
+
+
+def _port(value: object) -> int | None:
+    try:
+        port = int(str(value))
+    except ValueError:
+        return None
+    return port if 1 <= port <= 65535 else None
+
+
+# --------------------------------------------------------------------------------------------
+# The request
+# --------------------------------------------------------------------------------------------
+def _service_problems(
+    asked: Mapping[str, Any], reserved: Mapping[str, int], prefix: str = "serve"
+) -> tuple[dict[str, Any], list[str]]:
+    """State, port, backend, sources and restarts of a service request, and what is wrong.
+
+    `prefix` names the variables in the messages (serve_port, tensorboard_port, ...).
+    """
+    problems: list[str] = []
+    state = str(asked.get("state") or "present")
+    if state not in STATES:
+        problems.append(f"{prefix}_state={state!r}: use present (start) or absent (stop)")
+    port = _port(asked.get("port"))
+    if port is None:
+        problems.append(f"{prefix}_port={asked.get('port')!r}: a TCP port, 1-65535")
+    for name, used in reserved.items():
+        if port is not None and port == int(used):
+            problems.append(f"{prefix}_port={port} is {name} (the cluster's own): choose another")
+    backend = str(asked.get("backend") or "auto")
+    if backend not in BACKENDS:
+        problems.append(f"{prefix}_backend={backend!r}: use {', '.join(BACKENDS)}")
+    sources = asked.get("sources") or []
+    if isinstance(sources, str) or not isinstance(sources, Sequence):
+        problems.append(f"{prefix}_sources must be a list of addresses or CIDRs (got {sources!r})")
+        sources = []
+    bad = [str(s) for s in sources if not SOURCE_RE.match(str(s))]
+    if bad:
+        problems.append(
+            f"{prefix}_sources {', '.join(bad)}: write 'any', an address or address/prefix"
+        )
+    try:
+        restarts = int(str(asked.get("max_restarts", 0)))
+    except ValueError:
+        restarts = -1
+    if restarts < 0:
+        problems.append(f"{prefix}_max_restarts={asked.get('max_restarts')!r}: a count, 0 or more")
+    service = {
+        "state": state,
+        "port": port,
+        "backend": backend,
+        "sources": [str(s) for s in sources],
+        "max_restarts": restarts,
+    }
+    return service, problems
+
+
+def _source_problems(
+    asked: Mapping[str, Any], catalogue: Mapping[str, Any]
+) -> tuple[dict[str, Any], list[str]]:
+    """What to serve (a run, a catalogue model or a directory), and what is wrong."""
+    problems: list[str] = []
+    run_id = str(asked.get("run_id") or "")
+    model = str(asked.get("model") or "")
+    model_path = str(asked.get("model_path") or "")
+    export_dir = str(asked.get("export_dir") or "")
+    merged = _flag(asked.get("merged"))
+    checkpoint = str(asked.get("checkpoint") or "")
+    given = [n for n, v in (("run_id", run_id), ("model", model), ("export_dir", export_dir)) if v]
+    if len(given) > 1:
+        problems.append(
+            f"{' and '.join('-e ' + g for g in given)}: serve one thing, a run (-e run_id), a "
+            "catalogue model (-e model) or a model directory (-e export_dir)"
+        )
+    source = "dir" if export_dir else "model" if model or model_path else "run"
+    if source != "run" and (merged or checkpoint):
+        problems.append("-e merged and -e checkpoint pick a run's model: use them with -e run_id")
+    if checkpoint and not re.match(r"^checkpoint-[0-9]+$", checkpoint):
+        problems.append(f"checkpoint={checkpoint!r}: write checkpoint-<step>")
+    if source == "dir" and not export_dir.startswith("/"):
+        problems.append(f"export_dir={export_dir!r}: an absolute path on the serving node")
+    if source == "dir" and not asked.get("model_template"):
+        problems.append(
+            "-e export_dir needs -e model_template=<LLaMA-Factory template> (the one the "
+            "model was trained with, e.g. qwen)"
+        )
+    if source == "model" and model not in catalogue and not model_path:
+        problems.append(
+            f"Unknown model {model!r}. Known models: {', '.join(sorted(catalogue))} "
+            f"({CATALOGUE_FILE}); or -e model=<name> -e model_path=<hub id or path on the node> "
+            "-e model_template=<template>"
+        )
+    what = {
+        "source": source,
+        "run_id": run_id,
+        "model": model,
+        "model_path": model_path,
+        "model_template": str(asked.get("model_template") or ""),
+        "export_dir": export_dir,
+        "merged": merged,
+        "checkpoint": checkpoint,
+        "trust_remote_code": _flag(asked.get("trust_remote_code")),
+    }
+    return what, problems
+
+
+def serve_request(
+    asked: Mapping[str, Any],
+    catalogue: Mapping[str, Any],
+    reserved: Mapping[str, int] | None = None,
+) -> dict[str, Any]:
+    """The -e inputs of serve.yml, checked together; one ServeError lists every problem.
+
+    `asked` holds state, run_id, model, model_path, model_template, export_dir, merged,
+    checkpoint, trust_remote_code, backend, port, sources and max_restarts. `reserved` names
+    ports the cluster already uses (master_port, watchdog_port, ...), which a service must not
+    take. The result's `source` is `run` (a run's model, with its adapter: the latest run when
+    run_id is empty), `model` (a catalogue model) or `dir` (a model directory on the node, e.g.
+    an export). Stopping (state absent) needs only a valid port.
+    """
+    service, problems = _service_problems(asked, reserved or {}, "serve")
+    what, more = _source_problems(asked, catalogue)
+    problems += more
+    stopping = service["state"] == "absent"
+    blocking = [p for p in problems if "serve_port" in p] if stopping else problems
+    if blocking:
+        verb = "stop serving" if stopping else "serve"
+        raise ServeError(
+            f"Cannot {verb}:\n- " + "\n- ".join(blocking) + "\nNothing was changed on any node."
+        )
+    return {**service, **what}
+
+
+def service_request(
+    asked: Mapping[str, Any], reserved: Mapping[str, int] | None = None, prefix: str = "service"
+) -> dict[str, Any]:
+    """A plain service's state, port, sources and restarts (TensorBoard), checked."""
+    service, problems = _service_problems(asked, reserved or {}, prefix)
+    stopping = service["state"] == "absent"
+    blocking = [p for p in problems if f"{prefix}_port" in p] if stopping else problems
+    if blocking:
+        raise ServeError(
+            f"{prefix}:\n- " + "\n- ".join(blocking) + "\nNothing was changed on any node."
+        )
+    return service
+
+
+# --------------------------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------------------------
+def serve_model(
+    request: Mapping[str, Any],
+    catalogue: Mapping[str, Any],
+    run: Mapping[str, Any] | None = None,
+    name: str = "",
+) -> dict[str, Any]:
+    """The model to load: path, adapter ('' for none), template, trust_remote_code, name.
+
+    `run` ({run_id, run_dir, plan}) is the run's directory on the master and its plan.json, for
+    the `run` source. `must_exist` lists the files on the serving node that prove the model is
+    there (checked before anything starts).
+    """
+    source = request["source"]
+    if source == "dir":
+        path = request["export_dir"]
+        out = {
+            "path": path,
+            "adapter": "",
+            "template": request["model_template"],
+            "trust_remote_code": request["trust_remote_code"],
+            "name": name or path.rstrip("/").rsplit("/", 1)[-1],
+            "what": f"the model in {path}",
+        }
+    elif source == "model":
+        entry = dict(catalogue.get(request["model"]) or {})
+        path = request["model_path"] or str(entry.get("path") or "")
+        if not path:
+            raise ServeError(f"Model {request['model']}: no path in {CATALOGUE_FILE}")
+        out = {
+            "path": path,
+            "adapter": "",
+            "template": request["model_template"] or str(entry.get("template") or "default"),
+            "trust_remote_code": request["trust_remote_code"]
+            or bool(entry.get("trust_remote_code")),
+            "name": name or request["model"] or path.rstrip("/").rsplit("/", 1)[-1],
+            "what": f"catalogue model {request['model'] or path}",
+        }
+    else:
+        out = _run_model(request, run or {}, name)
+    local = out["path"].startswith("/")
+    out["must_exist"] = ([out["path"] + "/config.json"] if local else []) + (
+        [out["adapter"] + "/adapter_config.json"] if out["adapter"] else []
+    )
+    out["local"] = local
+    return out
+
+
+def _run_model(request: Mapping[str, Any], run: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """A run's model: base + adapter (LoRA), the merged export, or the trained model itself."""
+    run_id, run_dir = str(run.get("run_id") or ""), str(run.get("run_dir") or "")
+    plan = run.get("plan") or {}
+    model = plan.get("model") or {}
+    if not run_id or not model.get("path"):
+        raise ServeError(f"Run {run_id or '?'}: its plan.json names no model; it cannot be served")
+    finetuning = str(model.get("finetuning_type") or "lora")
+    checkpoint = request.get("checkpoint") or ""
+    tail = f"-{checkpoint}" if checkpoint else ""
+    out = {
+        "template": str(model.get("template") or "default"),
+        "trust_remote_code": bool(model.get("trust_remote_code")),
+    }
+    if request.get("merged"):
+        if finetuning != "lora":
+            raise ServeError(
+                f"Run {run_id} fine-tuned {finetuning}, not LoRA: nothing was merged; serve the "
+                f"run itself (-e run_id={run_id}, without -e merged)"
+            )
+        out |= {
+            "path": f"{run_dir}/merged{tail}",
+            "adapter": "",
+            "name": name or f"{run_id}-merged",
+            "what": f"run {run_id}'s merged model (playbooks/export.yml)",
+        }
+    elif finetuning == "lora":
+        out |= {
+            "path": str(model["path"]),
+            "adapter": f"{run_dir}/output" + (f"/{checkpoint}" if checkpoint else ""),
+            "name": name or run_id,
+            "what": f"run {run_id}'s LoRA adapter{' ' + checkpoint if checkpoint else ''} on "
+            f"{model['path']}",
+        }
+    else:
+        out |= {
+            "path": f"{run_dir}/output" + (f"/{checkpoint}" if checkpoint else ""),
+            "adapter": "",
+            "name": name or run_id,
+            "what": f"run {run_id}'s {finetuning}-tuned model",
+        }
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The backend
+# --------------------------------------------------------------------------------------------
+def serve_backend(requested: str, accelerator: str, vllm_version: str = "") -> dict[str, str]:
+    """LLaMA-Factory's inference backend for this node, and why.
+
+    auto: vLLM on an NVIDIA node where vllm is installed, else the HF (transformers) backend,
+    which runs everywhere. vllm asked for on a CPU node, or where it is not installed, is refused.
+    """
+    gpu = accelerator != "cpu"
+    extra = (
+        "add vllm to llamafactory_extras (pinned in llamafactory_extra_versions, "
+        "group_vars/all/versions.yml) and run provision.yml --tags llamafactory"
+    )
+    if requested == "vllm":
+        if not gpu:
+            raise ServeError(
+                "serve_backend=vllm: vLLM serves on NVIDIA GPUs and this node is CPU-only "
+                "(cluster_accelerator=cpu); use serve_backend=huggingface or auto"
+            )
+        if not vllm_version:
+            raise ServeError(f"serve_backend=vllm: vllm is not installed on the node; {extra}")
+        return {"backend": "vllm", "reason": f"asked for (vllm {vllm_version})"}
+    if requested == "huggingface":
+        return {"backend": "huggingface", "reason": "asked for"}
+    if not gpu:
+        return {"backend": "huggingface", "reason": "a CPU node: LLaMA-Factory's HF backend"}
+    if vllm_version:
+        return {"backend": "vllm", "reason": f"a GPU node with vllm {vllm_version}"}
+    return {
+        "backend": "huggingface",
+        "reason": f"a GPU node without vllm (for faster serving, {extra})",
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Who may reach a service, and where
+# --------------------------------------------------------------------------------------------
+def service_sources(
+    configured: Sequence[str], cluster_addresses: Sequence[str], controller: str = ""
+) -> list[str]:
+    """The addresses ufw lets reach a service's port.
+
+    The configured sources when there are any; else every cluster node and the controller (the
+    address the node sees the controller's connection come from).
+    """
+    chosen = list(configured) if configured else [*cluster_addresses, controller]
+    picked: list[str] = []
+    for source in chosen:
+        if source and source not in picked:
+            picked.append(str(source))
+    if not picked:
+        raise ServeError(
+            "No source may reach the service: set serve_sources (addresses or CIDRs) in "
+            f"{SERVE_FILE} or the inventory"
+        )
+    return picked
+
+
+def controller_address(ssh_connection: str, route: str) -> str:
+    """The controller's address as the node sees it.
+
+    From the node's SSH_CONNECTION ("client port server port") when the play reached it by SSH,
+    else from the controller's own route to the node (`ip -o route get ADDR`: "... src X ...").
+    """
+    parts = ssh_connection.split()
+    if len(parts) == 4:
+        return parts[0]
+    match = re.search(r"\bsrc\s+(\S+)", route)
+    return match.group(1) if match else ""
+
+
+def service_url_host(node: Mapping[str, Any]) -> str:
+    """Where the controller reaches a service on a node (`node` is its hostvars).
+
+    service_address when the inventory sets it; over SSH, the address the controller connects to
+    (ansible_host); otherwise (docker, local connections) the node's cluster_address.
+    """
+    if node.get("service_address"):
+        return str(node["service_address"])
+    connection = str(node.get("ansible_connection") or "ssh")
+    if connection in NETWORK_CONNECTIONS:
+        return str(node.get("ansible_host") or node.get("inventory_hostname"))
+    return str(node.get("cluster_address") or node.get("inventory_hostname"))
+
+
+def url(host: str, port: int) -> str:
+    """http://host:port, with an IPv6 address in brackets."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+# --------------------------------------------------------------------------------------------
+# Experiment tracking
+# --------------------------------------------------------------------------------------------
+# Per tracker: the module the nodes need, the key it needs (unless its mode keeps it local), and
+# the modes that need no key.
+TRACKERS: dict[str, dict[str, Any]] = {
+    "tensorboard": {"module": "tensorboard", "extra": "tensorboard", "keys": ()},
+    "wandb": {
+        "module": "wandb",
+        "extra": "wandb",
+        "keys": ("WANDB_API_KEY",),
+        "mode": ("WANDB_MODE", ("offline", "disabled", "dryrun")),
+    },
+    "mlflow": {
+        "module": "mlflow",
+        "extra": "mlflow-skinny",
+        "keys": (),
+        "optional": (
+            "MLFLOW_TRACKING_TOKEN",
+            "MLFLOW_TRACKING_USERNAME",
+            "MLFLOW_TRACKING_PASSWORD",
+        ),
+    },
+    "swanlab": {
+        "module": "swanlab",
+        "extra": "swanlab",
+        "keys": ("SWANLAB_API_KEY",),
+        "mode": ("SWANLAB_MODE", ("local", "offline", "disabled")),
+    },
+}
+SECRET_NAME = re.compile(r"(KEY|TOKEN|PASSWORD|SECRET)$")
+
+
+def tracking_plan(
+    report_to: object,
+    environment: Mapping[str, Any] | None = None,
+    secrets_given: Sequence[str] = (),
+    tensorboard: object = False,
+) -> dict[str, Any]:
+    """report_to for train.yaml, the trackers' settings, the keys they need, and their modules.
+
+    `report_to` is a tracker, a comma-separated list or a list (none: no tracking);
+    `tensorboard` (train.yml -e tensorboard=true) adds tensorboard. `environment` holds settings
+    (WANDB_PROJECT, MLFLOW_TRACKING_URI, ...): they go to the run's env file, so a key there is
+    refused. `secrets_given` names the keys that have a value (never the values: the play picks
+    the kept ones, `secret_names`, in a task that prints nothing); a tracker that needs a key
+    (wandb, swanlab online) fails without it.
+    """
+    if isinstance(report_to, str):
+        names = [n.strip() for n in report_to.split(",") if n.strip()]
+    elif isinstance(report_to, Sequence):
+        names = [str(n).strip() for n in report_to]
+    else:
+        names = []
+    names = [n for n in names if n != "none"]
+    if _flag(tensorboard) and "tensorboard" not in names:
+        names.append("tensorboard")
+    problems: list[str] = []
+    unknown = [n for n in names if n not in TRACKERS]
+    if unknown:
+        problems.append(
+            f"report_to {', '.join(unknown)}: use {', '.join(TRACKERS)} (comma-separated for "
+            "several) or none"
+        )
+    env = {str(k): str(v) for k, v in (environment or {}).items()}
+    leaked = sorted(k for k in env if SECRET_NAME.search(k))
+    if leaked:
+        problems.append(
+            f"tracking_environment holds {', '.join(leaked)}: keys go in tracking_secrets (a "
+            "0600 file of the job's user), never in the run's env file"
+        )
+    given = {str(k) for k in secrets_given}
+    kept: list[str] = []
+    for name in names:
+        tracker = TRACKERS.get(name)
+        if tracker is None:
+            continue
+        mode_var, local_modes = tracker.get("mode", ("", ()))
+        local = env.get(mode_var, "").lower() in local_modes
+        for key in tracker["keys"]:
+            if key in given:
+                kept.append(key)
+            elif not local:
+                problems.append(
+                    f"report_to={name} needs {key}: export it on the controller, or set "
+                    f"tracking_secrets.{key} (ansible-vault), or log offline "
+                    f"({mode_var}={local_modes[0]} in tracking_environment)"
+                )
+        kept += [key for key in tracker.get("optional", ()) if key in given]
+    if problems:
+        raise ServeError(
+            "Experiment tracking:\n- " + "\n- ".join(problems) + "\nNothing was changed."
+        )
+    known = [n for n in names if n in TRACKERS]
+    return {
+        "trackers": known,
+        "report_to": (known[0] if len(known) == 1 else known) if known else "none",
+        "environment": env if known else {},
+        "secret_names": sorted(set(kept)),
+        "modules": {TRACKERS[n]["module"]: TRACKERS[n]["extra"] for n in known},
+    }
+
+
+def tracking_train_args(
+    train_args: Mapping[str, Any], report_to: object = "", tensorboard: object = False
+) -> dict[str, Any]:
+    """train_args with report_to as train.yml's -e report_to and -e tensorboard=true ask.
+
+    -e report_to replaces train_args.report_to; -e tensorboard=true adds tensorboard to whatever
+    report_to is then (TensorBoard shows the event files report_to tensorboard writes). Neither
+    given: train_args as it is (training_defaults has report_to: none).
+    """
+    args = dict(train_args or {})
+    if report_to not in (None, ""):
+        args["report_to"] = report_to
+    if _flag(tensorboard):
+        current = args.get("report_to", "none")
+        names = current if isinstance(current, list) else str(current).split(",")
+        names = [str(n).strip() for n in names if str(n).strip() not in ("", "none")]
+        if "tensorboard" not in names:
+            names.append("tensorboard")
+        args["report_to"] = names[0] if len(names) == 1 else names
+    return args
+
+
+class FilterModule:
+    """Serving, services and tracking decisions."""
+
+    def filters(self) -> dict[str, Any]:
+        """The filters this plugin provides."""
+        return {
+            "serve_request": serve_request,
+            "service_request": service_request,
+            "serve_model": serve_model,
+            "serve_backend": serve_backend,
+            "service_sources": service_sources,
+            "service_controller_address": controller_address,
+            "service_url_host": service_url_host,
+            "service_url": url,
+            "tracking_plan": tracking_plan,
+            "tracking_train_args": tracking_train_args,
+        }

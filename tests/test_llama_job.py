@@ -1,0 +1,456 @@
+"""llama-job, the node-side supervisor: its decisions, and its runners as real processes.
+
+The runner tests start a master's and a worker's runner on this machine (127.0.0.1, as the
+two "nodes" of the GPU proof share one host), each running a small Python job, and break one
+of them the way the lab tests break a node: kill its command, kill its runner, freeze it with
+SIGSTOP, stall its progress. What the runners do is what they do on the cluster.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOL = ROOT / "roles" / "job_supervisor" / "files" / "llama-job"
+
+
+def _load():
+    loader = importlib.machinery.SourceFileLoader("llama_job_tool", str(TOOL))
+    spec = importlib.util.spec_from_loader("llama_job_tool", loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+lj = _load()
+
+# The job each runner starts: rank 0 listens on the gate port (like torchrun's store), both
+# "train" STEPS steps of STEP_S seconds, rank 0 appends one trainer-log record per step.
+JOB = r"""
+import json, os, socket, sys, time
+host, progress = sys.argv[1], sys.argv[2]
+if os.environ.get("GATE"):
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", int(os.environ["GATE"])))
+    server.listen()
+steps, pause = int(os.environ["STEPS"]), float(os.environ["STEP_S"])
+stall_at = int(os.environ.get("STALL_AT", "-1"))
+give_up_at = int(os.environ.get("GIVE_UP_AT", "-1"))
+for step in range(1, steps + 1):
+    time.sleep(pause)
+    if step == stall_at:
+        time.sleep(3600)
+    if step == give_up_at:  # like torchrun once a rank died, then a launcher slow to exit
+        print("ChildFailedError: rank 1 died", flush=True)
+        time.sleep(3600)
+    if progress:
+        with open(progress, "a") as log:
+            log.write(json.dumps({"current_steps": step, "total_steps": steps}) + "\n")
+print(host, "done")
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Pair:
+    """A master's and a worker's runner of one job on this machine."""
+
+    def __init__(
+        self, tmp: Path, *, restarts: int = 0, steps: int = 30, give_up_at: int = 0, **env: str
+    ) -> None:
+        self.tmp = tmp
+        self.gate = _free_port()
+        self.watchdog = _free_port()
+        (tmp / "job.py").write_text(JOB)
+        self.progress = tmp / "trainer_log.jsonl"
+        self.procs: dict[str, subprocess.Popen] = {}
+        for host, rank in (("m", 0), ("w", 1)):
+            master = rank == 0
+            extra = {"STEPS": str(steps), "STEP_S": "0.2", **env}
+            if master:
+                extra["GATE"] = str(self.gate)
+            else:
+                extra.pop("STALL_AT", None)
+                if give_up_at:
+                    extra["GIVE_UP_AT"] = str(give_up_at)
+            (tmp / f"{host}.env").write_text(
+                "".join(f'{key}="{value}"\n' for key, value in extra.items())
+            )
+            spec = {
+                "job": "t",
+                "host": host,
+                "rank": rank,
+                "nnodes": 2,
+                "role": "master" if master else "worker",
+                "master": {"host": "m", "address": "127.0.0.1"},
+                "peers": ["w"] if master else [],
+                "watchdog_port": self.watchdog,
+                "master_port": self.gate,
+                "gate_port": self.gate if master else None,
+                "ports": [self.gate, self.watchdog] if master else [],
+                "token": "secret",
+                "command": [
+                    sys.executable,
+                    str(tmp / "job.py"),
+                    host,
+                    str(self.progress) if master else "",
+                ],
+                "env_file": str(tmp / f"{host}.env"),
+                "cwd": str(tmp),
+                "log": str(tmp / f"{host}.log"),
+                "state": str(tmp / f"{host}.state.json"),
+                "progress_file": str(self.progress) if master else "",
+                "max_restarts": restarts,
+                "fail_patterns": ["ChildFailedError"],
+                "timeouts": {
+                    "start": 20,
+                    "heartbeat": 0.5,
+                    "peer": 3,
+                    "stop": 2,
+                    "restart": 8,
+                    "settle": 0.5,
+                    "stall_startup": 10,
+                    "stall_floor": 2,
+                    "stall_factor": 5,
+                },
+            }
+            (tmp / f"{host}.json").write_text(json.dumps(spec))
+        for host in ("m", "w"):
+            self.procs[host] = subprocess.Popen(
+                [sys.executable, str(TOOL), "run", "--spec", str(tmp / f"{host}.json")],
+                start_new_session=True,  # a runner leads its session, as under a supervisor
+            )
+
+    def state(self, host: str) -> dict:
+        try:
+            return json.loads((self.tmp / f"{host}.state.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def command_pid(self, host: str) -> int | None:
+        return self.state(host).get("child")
+
+    def wait_running(self, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.state("m").get("phase") == "running" and self.command_pid("w"):
+                return
+            time.sleep(0.1)
+        pytest.fail(f"the job did not start: {self.logs()}")
+
+    def wait_step(self, step: int, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if (self.state("m").get("progress") or {}).get("current_steps", 0) >= step:
+                return
+            time.sleep(0.1)
+        pytest.fail(f"the job did not reach step {step}: {self.logs()}")
+
+    def wait_ended(self, hosts: tuple[str, ...] = ("m", "w"), timeout: float = 60) -> float:
+        """Seconds until the given runners have exited."""
+        started = time.monotonic()
+        for host in hosts:
+            self.procs[host].wait(timeout=max(1, timeout - (time.monotonic() - started)))
+        return time.monotonic() - started
+
+    def logs(self) -> str:
+        return "\n".join(
+            (self.tmp / f"{h}.log").read_text()
+            for h in ("m", "w")
+            if (self.tmp / f"{h}.log").exists()
+        )
+
+    def leftovers(self) -> list[str]:
+        ps = ["ps", "-eo", "pid=,args="]
+        out = subprocess.run(ps, capture_output=True, text=True, check=False).stdout
+        return [line for line in out.splitlines() if str(self.tmp / "job.py") in line]
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for line in self.leftovers():
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+
+
+@pytest.fixture
+def pair_factory(tmp_path: Path):
+    made: list[Pair] = []
+
+    def make(**kwargs: object) -> Pair:
+        made.append(Pair(tmp_path, **kwargs))
+        return made[-1]
+
+    yield make
+    for pair in made:
+        pair.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Decisions
+# ---------------------------------------------------------------------------------------------
+def test_the_culprit_is_the_node_whose_failure_is_its_own():
+    echo = {"node": "m", "kind": "exited", "at_s": 1.0, "errors": ["Connection closed by peer"]}
+    cause = {"node": "w", "kind": "exited", "at_s": 2.0, "errors": ["Signal 9 (SIGKILL) received"]}
+    assert lj.choose_culprit([echo, cause])["node"] == "w"
+    gone = {"node": "w", "kind": "vanished", "at_s": 3.0, "errors": []}
+    assert lj.choose_culprit([echo, gone])["node"] == "w"
+    stop = {"node": "m", "kind": "stopped", "at_s": 9.0, "errors": []}
+    assert lj.choose_culprit([cause, stop])["kind"] == "stopped"
+
+
+def test_a_stall_needs_the_floor_or_ten_median_steps():
+    timeouts = {**lj.DEFAULT_TIMEOUTS, "stall_floor": 600, "stall_factor": 10}
+    assert lj.stall_limit([], timeouts, seen_any=False) == timeouts["stall_startup"]
+    assert lj.stall_limit([1.0, 2.0, 100.0], timeouts, seen_any=True) == 600
+    assert lj.stall_limit([90.0, 100.0, 110.0], timeouts, seen_any=True) == 1000
+
+
+def test_first_error_lines_skip_the_supervisor_and_warnings():
+    text = "\n".join(
+        [
+            "[llama-job m 10:00:00Z] attempt 1: starting x",
+            "loading model",
+            "  warnings.warn('deprecated')",
+            "RuntimeError: Expected a string, got None",
+            "subprocess.CalledProcessError: returned non-zero exit status 1.",
+        ]
+    )
+    assert lj.first_error_lines(text) == [
+        "RuntimeError: Expected a string, got None",
+        "subprocess.CalledProcessError: returned non-zero exit status 1.",
+    ]
+    assert lj.first_error_lines("a\nb") == ["a", "b"]
+
+
+def test_environment_files_read_as_systemd_reads_them():
+    env = lj.read_env_file('# comment\nA="1 2"\nB=plain\nC=""\n')
+    assert env == {"A": "1 2", "B": "plain", "C": ""}
+    assert lj.expand("--nnodes=${A}/${MISSING}", env) == "--nnodes=1 2/"
+
+
+def test_listeners_name_the_process_that_holds_a_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        found = lj.listeners(port)
+        busy = lj.busy_ports([port])
+    assert [entry["pid"] for entry in found] == [os.getpid()]
+    assert "pytest" in found[0]["command"] or "python" in found[0]["command"]
+    assert f"port {port} is in use by pid {os.getpid()}" in busy[0]
+    assert lj.busy_ports([port]) == []
+
+
+def test_a_spec_the_job_user_could_rewrite_is_refused(tmp_path: Path):
+    spec = tmp_path / "s.json"
+    spec.write_text("{}")
+    spec.chmod(0o666)
+    with pytest.raises(lj.Refused):
+        lj.load_spec(str(spec), require_root=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Runners
+# ---------------------------------------------------------------------------------------------
+def test_both_nodes_finish_and_say_so(pair_factory):
+    pair = pair_factory(steps=10)
+    pair.wait_ended(timeout=40)
+    assert pair.state("m")["phase"] == "succeeded", pair.logs()
+    assert pair.state("w")["phase"] == "succeeded", pair.logs()
+    assert pair.state("m")["progress"]["current_steps"] == 10
+    assert pair.leftovers() == []
+
+
+def test_a_killed_command_stops_the_other_node(pair_factory):
+    pair = pair_factory()
+    pair.wait_running()
+    pair.wait_step(3)
+    os.kill(pair.command_pid("w"), signal.SIGKILL)
+    elapsed = pair.wait_ended(timeout=30)
+    reason = pair.state("m")["reason"]
+    assert pair.state("m")["phase"] == "failed"
+    assert (reason["node"], reason["kind"], reason["exit_status"]) == ("w", "exited", -9)
+    assert pair.state("w")["reason"]["node"] == "w"  # every node records the same verdict
+    assert elapsed < 10, f"{elapsed:.1f} s to stop every rank"
+    assert pair.leftovers() == []
+
+
+def test_a_command_that_says_it_failed_is_ended_without_waiting_for_it_to_exit(pair_factory):
+    pair = pair_factory(give_up_at=3)
+    elapsed = pair.wait_ended(timeout=30)
+    reason = pair.state("m")["reason"]
+    assert (reason["node"], reason["kind"]) == ("w", "exited"), pair.logs()
+    assert reason["message"] == "its command reported a failure (ChildFailedError: rank 1 died)"
+    assert elapsed < 10
+    assert pair.leftovers() == []
+
+
+def test_a_vanished_node_stops_the_job(pair_factory):
+    pair = pair_factory()
+    pair.wait_running()
+    command = pair.command_pid("w")
+    os.killpg(pair.procs["w"].pid, signal.SIGKILL)  # the node's runner and command at once
+    elapsed = pair.wait_ended(("m",), timeout=30)
+    reason = pair.state("m")["reason"]
+    assert (reason["node"], reason["kind"]) == ("w", "vanished"), pair.logs()
+    assert elapsed < 10
+    assert command is not None
+
+
+def test_a_frozen_node_is_given_up_and_ends_itself_when_it_thaws(pair_factory):
+    pair = pair_factory()
+    pair.wait_running()
+    os.killpg(pair.procs["w"].pid, signal.SIGSTOP)
+    elapsed = pair.wait_ended(("m",), timeout=30)
+    reason = pair.state("m")["reason"]
+    assert (reason["node"], reason["kind"]) == ("w", "vanished"), pair.logs()
+    assert "no heartbeat" in reason["message"]
+    assert 3 <= elapsed < 12
+    os.killpg(pair.procs["w"].pid, signal.SIGCONT)
+    thawed = pair.wait_ended(("w",), timeout=30)
+    assert thawed < 10, f"the thawed node took {thawed:.1f} s to end"
+    assert pair.state("w")["phase"] == "failed"
+    assert "frozen" in pair.state("w")["reason"]["message"]
+    assert pair.leftovers() == []
+
+
+def test_a_stalled_run_is_ended(pair_factory):
+    pair = pair_factory(STALL_AT="5")
+    pair.wait_running()
+    elapsed = pair.wait_ended(timeout=40)
+    reason = pair.state("m")["reason"]
+    assert reason["kind"] == "stalled", pair.logs()
+    assert reason["message"].startswith("no new step in trainer_log.jsonl for ")
+    assert elapsed < 30
+    assert pair.leftovers() == []
+
+
+def test_a_restart_starts_every_node_again_and_finishes(pair_factory):
+    pair = pair_factory(restarts=1, steps=20)
+    pair.wait_running()
+    pair.wait_step(3)
+    os.kill(pair.command_pid("w"), signal.SIGKILL)
+    pair.wait_ended(timeout=60)
+    master = pair.state("m")
+    assert master["phase"] == "succeeded", pair.logs()
+    assert master["attempt"] == 2
+    assert [r["after"]["node"] for r in master["restarts"]] == ["w"]
+    assert pair.state("w")["phase"] == "succeeded"
+    assert "restart 1 of 1: attempt 2" in (pair.tmp / "m.log").read_text()
+
+
+def test_a_stop_request_stops_every_node_without_restarting(pair_factory):
+    pair = pair_factory(restarts=2)
+    pair.wait_running()
+    os.kill(pair.procs["w"].pid, signal.SIGTERM)  # what llama-job stop / systemctl stop send
+    pair.wait_ended(timeout=30)
+    assert pair.state("m")["phase"] == "stopped", pair.logs()
+    assert pair.state("m")["restarts"] == []
+    assert pair.leftovers() == []
+
+
+# ---------------------------------------------------------------------------------------------
+# The root side: start, status, list, wait, stop, without systemd (job_supervisor: process)
+# ---------------------------------------------------------------------------------------------
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="start and stop manage jobs as root")
+
+
+def _verb(records: Path, *args: str) -> dict:
+    done = subprocess.run(
+        [sys.executable, str(TOOL), *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "LLAMA_JOB_RECORDS": str(records)},
+        timeout=120,
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _specs(tmp_path: Path, **kwargs: object) -> Pair:
+    """The specs and files of a pair, without starting its runners."""
+    pair = Pair.__new__(Pair)
+    Pair.__init__(pair, tmp_path, **kwargs)  # writes the specs and starts runners by hand ...
+    pair.close()  # ... which this test does not want: it starts them through `start`
+    for name in ("m.state.json", "w.state.json", "m.log", "w.log", "trainer_log.jsonl"):
+        (tmp_path / name).unlink(missing_ok=True)
+    return pair
+
+
+@needs_root
+def test_start_status_and_stop_through_the_contract_without_systemd(tmp_path: Path):
+    records = tmp_path / "records"
+    pair = _specs(tmp_path, steps=200)
+    try:
+        for host in ("m", "w"):
+            started = _verb(
+                records, "start", "--spec", str(tmp_path / f"{host}.json"), "--user", "root",
+                "--supervisor", "process",
+            )  # fmt: skip
+            assert started["supervisor"] == "process", started
+            assert started["unit"] == f"llama-t-rank{0 if host == 'm' else 1}"
+        assert oct(records.stat().st_mode & 0o777) == "0o700"
+        ready = _verb(records, "wait", "--job", "t", "--until", "running", "--timeout", "30")
+        assert ready["reached"], ready
+        active = _verb(records, "list", "--active")["jobs"]
+        assert sorted(j["host"] for j in active) == ["m", "w"], _verb(records, "list")
+        again = _verb(records, "start", "--spec", str(tmp_path / "m.json"), "--user", "root")
+        assert "already runs" in again["error"]
+        stopped = _verb(records, "stop", "--job", "t", "--timeout", "20")
+        assert "m" in stopped["stopped"]  # the worker may have ended already: the master told it
+        assert {r["phase"] for r in stopped["ranks"]} == {"stopped"}
+        assert _verb(records, "list", "--active")["jobs"] == []
+        assert pair.leftovers() == []
+    finally:
+        _verb(records, "stop", "--job", "t", "--timeout", "5")
+        pair.close()
+
+
+@needs_root
+def test_start_refuses_a_taken_master_port_naming_the_process(tmp_path: Path):
+    records = tmp_path / "records"
+    pair = _specs(tmp_path)
+    stray = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(pair.gate), "--bind", "127.0.0.1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while not lj.listeners(pair.gate) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        refused = _verb(records, "start", "--spec", str(tmp_path / "m.json"), "--user", "root")
+        assert f"port {pair.gate} is in use by pid {stray.pid}" in refused["error"], refused
+        assert "http.server" in refused["error"]
+        assert _verb(records, "status", "--job", "t")["found"] is False
+    finally:
+        stray.kill()
+        stray.wait()
+
+
+def test_root_never_reads_a_state_file_through_a_link(tmp_path: Path):
+    secret = tmp_path / "secret"
+    secret.write_text('{"phase": "succeeded"}')
+    link = tmp_path / "state.json"
+    link.symlink_to(secret)
+    assert lj.read_json_untrusted(link, (os.getuid(),)) == {}
+    assert lj.read_json_untrusted(secret, (os.getuid(),)) == {"phase": "succeeded"}
+    assert lj.read_json_untrusted(secret, (os.getuid() + 1,)) == {}  # not the job user's file
