@@ -174,6 +174,23 @@ def _time_until_stopped(since: float, nodes: tuple[str, ...], bound: float) -> f
     pytest.fail(f"training processes still run {bound * 2:.0f} s after the fault: {left}")
 
 
+def _children(pid: int) -> list[int]:
+    """Every descendant of a controller process (ansible-playbook's forks)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                stat = (entry / "stat").read_text()
+                parents[int(entry.name)] = int(stat[stat.rindex(")") + 2 :].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        kids = [child for child, up in parents.items() if up == parent]
+        found += kids
+        frontier += kids
+    return found
+
+
 def _kill_training_process(node: str) -> float:
     pids = _training_pids(node)
     assert pids, f"no training process on {node}"
@@ -420,8 +437,12 @@ def test_with_nobody_watching_and_no_systemd_a_dying_worker_still_stops_every_ra
         "train.yml", "-e", "model=tiny", "-e", json.dumps(LONG_RUN), "-e", "job_supervisor=process"
     )
     run_id = _wait_for_new_run(play, before)
+    forks = _children(play.proc.pid)
     play.proc.send_signal(signal.SIGKILL)
     play.proc.wait()
+    for pid in forks:  # its workers would poll on, unheard: they are this test's to end
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     time.sleep(2)  # nobody is watching now
     assert _training_pids(MASTER), "the run did not survive its play"
     killed_at = _kill_training_process(WORKER)
