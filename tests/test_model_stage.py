@@ -257,10 +257,11 @@ print(json.dumps(seen))
     assert 5.0 < seen["loss"] < 7.0, "an untrained 400-token model starts near ln(400) = 6.0"
 
 
-def test_an_unreachable_hub_fails_on_the_controller_naming_endpoint_and_model(
+def test_an_unreachable_modelscope_fails_on_the_controller_naming_endpoint_and_model(
     tmp_path: Path,
 ) -> None:
     # TEST-NET nodes: a request that got past the probe would fail on "unreachable" instead.
+    # (The same for Hugging Face, with a look at the nodes: molecule/train/tests/test_models.py.)
     inventory = tmp_path / "inventory.yml"
     node = '{"ansible_host": "192.0.2.%d", "cluster_accelerator": "cpu", "nproc_per_node": 1}'
     inventory.write_text(
@@ -268,19 +269,10 @@ def test_an_unreachable_hub_fails_on_the_controller_naming_endpoint_and_model(
         f"        master:\n          hosts:\n            a: {node % 1}\n"
         f"        workers:\n          hosts:\n            b: {node % 2}\n"
     )
+    request = ["-e", "model=qwen2.5-7b", "-e", "model_hub=modelscope"]
+    endpoint = ["-e", "modelscope_endpoint=http://127.0.0.1:9"]
     done = subprocess.run(
-        [
-            str(ANSIBLE_PLAYBOOK),
-            "-i",
-            str(inventory),
-            "train.yml",
-            "-e",
-            "model=mine",
-            "-e",
-            "model_path=llama-cluster/absent",
-            "-e",
-            "hf_endpoint=http://127.0.0.1:9",
-        ],
+        [str(ANSIBLE_PLAYBOOK), "-i", str(inventory), "train.yml", *request, *endpoint],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -290,7 +282,8 @@ def test_an_unreachable_hub_fails_on_the_controller_naming_endpoint_and_model(
     out = " ".join((done.stdout + done.stderr).split())
     assert done.returncode != 0
     assert (
-        "Model mine: (llama-cluster/absent, revision main, at http://127.0.0.1:9) the endpoint "
-        "is unreachable from the controller" in out
+        "Model qwen2.5-7b: (Qwen/Qwen2.5-7B-Instruct, revision master, at http://127.0.0.1:9) "
+        "the endpoint is unreachable from the controller" in out
     ), out[-2000:]
+    assert "Check modelscope_endpoint" in out
     assert "Train | Prepare every node" not in out, "a node was contacted"

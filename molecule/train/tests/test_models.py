@@ -98,7 +98,10 @@ def _assert_no_token(where: str, text: str) -> None:
     assert TOKEN not in text, f"the token shows in {where}"
 
 
-_runs: dict[str, str] = {}
+def _staged() -> None:
+    """Skip unless the tiny model is on the nodes (the first test puts it there)."""
+    if not _node(NODES[0], f"ls {BASE}/models/tiny/config.json 2>/dev/null"):
+        pytest.skip("the tiny model is not on the nodes (the tiny run did not stage it)")
 
 
 def test_the_controllers_tiny_model_is_staged_and_trains_keeping_the_token_secret() -> None:
@@ -111,7 +114,6 @@ def test_the_controllers_tiny_model_is_staged_and_trains_keeping_the_token_secre
     said = _said(done.stdout)
     assert f"Model tiny: {TINY} (generated on the controller), copied to {BASE}/models/tiny" in said
     run_id = re.search(r"Run (train-\d{8}-\d{6}-tiny)", said).group(1)
-    _runs["tiny"] = run_id
     controller = _local_sums(TINY)
     for node in NODES:
         assert _sums(node, f"{BASE}/models/tiny") == controller, f"{node} has another copy"
@@ -142,8 +144,7 @@ def test_the_controllers_tiny_model_is_staged_and_trains_keeping_the_token_secre
 
 
 def test_a_second_staging_of_the_same_model_sends_nothing_and_changes_nothing() -> None:
-    if "tiny" not in _runs:
-        pytest.skip("the tiny run did not complete")
+    _staged()
     done = _playbook(
         "molecule/train/stage_model.yml", "-e", "model=tiny", "-e", f"hf_token={TOKEN}"
     )
@@ -156,8 +157,7 @@ def test_a_second_staging_of_the_same_model_sends_nothing_and_changes_nothing() 
 
 def test_preparing_the_nodes_again_after_a_tiny_run_changes_nothing() -> None:
     # The models directory has one owner (cluster_user): no role sets another mode on it.
-    if "tiny" not in _runs:
-        pytest.skip("the tiny run did not complete")
+    _staged()
     done = _playbook("molecule/train/prepare.yml")
     assert done.returncode == 0, done.stdout[-4000:]
     assert set(_recap(done.stdout).values()) == {0}, done.stdout[-3000:]
