@@ -148,18 +148,20 @@ def test_the_cluster_key_is_restricted_to_commands_from_cluster_addresses() -> N
 
 def test_the_mesh_refuses_port_forwarding_and_a_pty_but_runs_commands() -> None:
     # `restrict`: a remote forwarding is refused (ExitOnForwardFailure makes that the exit
-    # status), a forced pty is not allocated, and the same connection still runs the command.
+    # status), so is a forced pty (ssh -tt gives up when the pty is refused), and a command
+    # still runs.
     forward = as_user(
         WORKERS[0],
         f"{SSH_STRICT} -o ExitOnForwardFailure=yes -R 127.0.0.1:40999:127.0.0.1:22 {MASTER} true",
     )
     assert forward.rc == 255, forward.stdout + forward.stderr
     assert "remote port forwarding failed" in forward.stderr
-    pty = as_user(WORKERS[0], f"{SSH_STRICT} -tt {MASTER} 'tty; hostname'")
-    assert pty.rc == 0, pty.stderr
+    pty = as_user(WORKERS[0], f"{SSH_STRICT} -tt {MASTER} tty")
+    assert pty.rc == 255, pty.stdout + pty.stderr
     assert "PTY allocation request failed" in pty.stderr
-    assert "not a tty" in pty.stdout
-    assert MASTER in pty.stdout
+    command = as_user(WORKERS[0], f"{SSH_STRICT} {MASTER} hostname")
+    assert command.rc == 0, command.stderr
+    assert command.stdout.strip() == MASTER
 
 
 def test_key_files_have_strict_permissions() -> None:
