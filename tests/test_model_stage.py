@@ -194,6 +194,16 @@ def test_progress_lines_read_like_a_download() -> None:
     assert progress.progress_line("x", {"state": "listing"}) == "x: listing the files"
 
 
+def test_the_progress_poll_notices_a_downloader_that_ended_without_a_word(tmp_path: Path) -> None:
+    job = tmp_path / "job"
+    assert progress.job_ended(None) is None
+    assert progress.job_ended(str(job)) is None  # not written yet
+    job.write_text(json.dumps({"started": 1, "finished": 0, "ansible_job_id": "1"}))
+    assert progress.job_ended(str(job)) is None  # still running
+    job.write_text(json.dumps({"rc": 1, "stderr": "boom", "cmd": ["x"]}))
+    assert progress.job_ended(str(job))["rc"] == 1
+
+
 def _make_tiny(directory: Path) -> dict:
     script = ROOT / "roles/tiny_model/files/make_tiny_model.py"
     done = subprocess.run(

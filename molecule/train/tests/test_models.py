@@ -287,6 +287,12 @@ def _stage_from_hub(endpoint: str, *extra: str) -> subprocess.CompletedProcess[s
 
 def test_a_hub_model_is_downloaded_once_per_node_whole_or_not_at_all(hub: str) -> None:
     node_ips = {_node(n, "hostname -i").split()[0] for n in NODES}
+    # A downloader that cannot even start fails the play at once instead of being waited for.
+    dead = _stage_from_hub(hub, "-e", "model_stage_python=/bin/false")
+    assert dead.returncode != 0
+    assert f"The downloader of {HUB_REPO} ended (exit status 1) without finishing" in _said(
+        dead.stdout
+    ), dead.stdout[-3000:]
     # A download that breaks half-way leaves nothing at the final path.
     _Hub.refuse, _Hub.seen = "model.safetensors", []
     broken = _stage_from_hub(hub)

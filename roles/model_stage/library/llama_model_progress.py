@@ -15,8 +15,8 @@ description:
   - Reads the JSON status file that llama-model-fetch rewrites every few seconds and returns a
     one-line C(progress), whether the download is C(done), and its numbers. Polled with
     C(until: result.done), the llama_progress callback prints the line on every retry.
-  - Fails (with done true) when the download failed, or when its process is gone while the
-    file still says it runs.
+  - Fails (with done true) when the download failed, or when its process is gone (or its
+    async job has ended) while the file still says it runs.
 options:
   status_file:
     description: The status file the download writes.
@@ -26,12 +26,26 @@ options:
     description: What is being downloaded, for the progress line (e.g. the hub id).
     type: str
     required: true
+  job_file:
+    description:
+      - The results file of the async job that runs the download (its C(results_file)): a job
+        that ended before the status file says so (the downloader could not start) fails here.
+    type: path
 """
 
 RETURN = r"""
-done: {description: The download has ended (done or failed)., type: bool, returned: always}
-progress: {description: One line for the play's output., type: str, returned: always}
-status: {description: The status file's content (state, files, bytes, rate, error)., type: dict, returned: always}
+done:
+  description: The download has ended (done or failed).
+  type: bool
+  returned: always
+progress:
+  description: One line for the play's output.
+  type: str
+  returned: always
+status:
+  description: The status file's content (state, files, bytes, rate, error).
+  type: dict
+  returned: always
 """
 
 
@@ -55,6 +69,30 @@ def alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def read_status(module: AnsibleModule, path: str) -> dict:
+    """The status file's content ({} before the downloader has written it)."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except FileNotFoundError:
+        return {}
+    except ValueError as error:
+        module.fail_json(msg=f"{path} is not a status file ({error})", done=True)
+    return {}
+
+
+def job_ended(job_file: str | None) -> dict | None:
+    """The async job's result once it has ended, else None."""
+    if not job_file:
+        return None
+    try:
+        with open(job_file, encoding="utf-8") as handle:
+            job = json.load(handle)
+    except (OSError, ValueError):  # not written yet, or being written
+        return None
+    return job if job.get("finished", 1) and "rc" in job else None
 
 
 def progress_line(label: str, status: dict) -> str:
@@ -82,18 +120,13 @@ def main() -> None:
         argument_spec={
             "status_file": {"type": "path", "required": True},
             "label": {"type": "str", "required": True},
+            "job_file": {"type": "path"},
         },
         supports_check_mode=True,
     )
     path, label = module.params["status_file"], module.params["label"]
-    try:
-        with open(path, encoding="utf-8") as handle:
-            status = json.load(handle)
-    except FileNotFoundError:
-        module.exit_json(changed=False, done=False, progress=f"{label}: starting", status={})
-    except ValueError as error:
-        module.fail_json(msg=f"{path} is not a status file ({error})", done=True)
-    state = status.get("state")
+    status = read_status(module, path)
+    state = status.get("state", "starting")
     line = progress_line(label, status)
     if state == "failed":
         module.fail_json(
@@ -102,7 +135,20 @@ def main() -> None:
             progress=line,
             status=status,
         )
-    if state != "done" and not alive(int(status.get("pid") or 0)):
+    job = job_ended(module.params["job_file"]) if state != "done" else None
+    if job is not None and job.get("rc") == 0:  # it finished between the two reads
+        status = read_status(module, path)
+        state, line = status.get("state"), progress_line(label, status)
+    if job is not None and state != "done":
+        said = (job.get("stderr") or job.get("msg") or "").strip().splitlines()[-3:]
+        module.fail_json(
+            msg=f"The downloader of {label} ended (exit status {job.get('rc')}) without finishing: "
+            + (" ".join(said) or "it said nothing"),
+            done=True,
+            progress=line,
+            status=status,
+        )
+    if status and state != "done" and not alive(int(status.get("pid") or 0)):
         module.fail_json(
             msg=f"The download of {label} stopped without a word (process {status.get('pid')} "
             "is gone: killed, or out of memory). Run the play again: it resumes.",
