@@ -138,6 +138,32 @@ def test_an_unknown_host_key_is_rejected() -> None:
     assert "Host key verification failed" in result.stderr
 
 
+def test_the_cluster_key_is_restricted_to_commands_from_cluster_addresses() -> None:
+    addresses = ",".join(address(name) for name in NODES)
+    for name in NODES:
+        keys = node(name).file(f"/home/{USER}/.ssh/authorized_keys").content_string
+        entry = next(line for line in keys.splitlines() if "llama-cluster" in line)
+        assert entry.startswith(f'restrict,from="{addresses}" ssh-ed25519 '), entry
+
+
+def test_the_mesh_refuses_port_forwarding_and_a_pty_but_runs_commands() -> None:
+    # `restrict`: a remote forwarding is refused (ExitOnForwardFailure makes that the exit
+    # status), so is a forced pty (ssh -tt gives up when the pty is refused), and a command
+    # still runs.
+    forward = as_user(
+        WORKERS[0],
+        f"{SSH_STRICT} -o ExitOnForwardFailure=yes -R 127.0.0.1:40999:127.0.0.1:22 {MASTER} true",
+    )
+    assert forward.rc == 255, forward.stdout + forward.stderr
+    assert "remote port forwarding failed" in forward.stderr
+    pty = as_user(WORKERS[0], f"{SSH_STRICT} -tt {MASTER} tty")
+    assert pty.rc == 255, pty.stdout + pty.stderr
+    assert "PTY allocation request failed" in pty.stderr
+    command = as_user(WORKERS[0], f"{SSH_STRICT} {MASTER} hostname")
+    assert command.rc == 0, command.stderr
+    assert command.stdout.strip() == MASTER
+
+
 def test_key_files_have_strict_permissions() -> None:
     for name in NODES:
         host = node(name)

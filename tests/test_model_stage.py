@@ -1,0 +1,299 @@
+"""Where a run's model comes from: the staging decisions, the hub probe's verdicts, the tiny
+model generated without torch, and a hub that cannot be reached failing on the controller.
+
+The end-to-end staging (copies, downloads, tokens) runs on real nodes in
+molecule/train/tests/test_models.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
+TRAIN_PYTHON = Path(
+    os.environ.get("LLAMA_CLUSTER_TRAIN_PYTHON", "/var/cache/llama-cluster/venv-train/bin/python")
+)
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _load(name: str, path: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+stage = _load("model_stage_filters", "roles/model_stage/filter_plugins/model_stage.py")
+progress = _load("llama_model_progress", "roles/model_stage/library/llama_model_progress.py")
+
+SETTINGS = {
+    "hub": "huggingface",
+    "hub_dir": "/opt/llama-cluster/models/hub",
+    "models_dir": "/opt/llama-cluster/models",
+    "generated_dir": "/home/me/.cache/llama-cluster/models/tiny",
+    "endpoints": {
+        "huggingface": "https://hf-mirror.com/",
+        "modelscope": "https://www.modelscope.cn",
+    },
+}
+
+
+def source(entry: dict, **settings: object) -> dict:
+    return stage.model_stage_source(entry, "m", {**SETTINGS, **settings})
+
+
+def test_a_hub_id_is_downloaded_into_the_hub_cache_from_the_configured_mirror() -> None:
+    request = source({"path": "Qwen/Qwen2.5-7B-Instruct"})
+    assert request["error"] == ""
+    assert request["kind"] == "hub"
+    assert (request["hub"], request["revision"]) == ("huggingface", "main")
+    assert request["endpoint"] == "https://hf-mirror.com"
+    assert request["probe_url"] == (
+        "https://hf-mirror.com/Qwen/Qwen2.5-7B-Instruct/resolve/main/config.json"
+    )
+    assert (
+        request["path"]
+        == "/opt/llama-cluster/models/hub/huggingface/Qwen--Qwen2.5-7B-Instruct/main"
+    )
+
+
+def test_modelscope_uses_its_own_id_api_and_default_revision() -> None:
+    entry = {"path": "meta-llama/Meta-Llama-3-8B-Instruct", "hub": "modelscope"}
+    request = source({**entry, "modelscope_path": "LLM-Research/Meta-Llama-3-8B-Instruct"})
+    assert request["repo"] == "LLM-Research/Meta-Llama-3-8B-Instruct"
+    assert request["revision"] == "master"
+    assert request["probe_url"] == (
+        "https://www.modelscope.cn/api/v1/models/LLM-Research/Meta-Llama-3-8B-Instruct/repo"
+        "?Revision=master&FilePath=config.json"
+    )
+    assert source({"path": "Qwen/Qwen3-8B"}, hub="modelscope")["hub"] == "modelscope"
+
+
+def test_a_controller_directory_is_copied_under_the_models_directory() -> None:
+    request = source({"path": "/data/checkpoints/my-qwen/"})
+    assert (request["kind"], request["source"]) == ("controller", "/data/checkpoints/my-qwen")
+    assert request["path"] == "/opt/llama-cluster/models/my-qwen"
+    home = source({"path": "~/models/x"})
+    assert home["source"] == os.path.expanduser("~/models/x")
+
+
+def test_a_shared_directory_is_used_where_it_is() -> None:
+    request = source({"path": "/mnt/nfs/qwen", "shared": "true"})
+    assert (request["kind"], request["path"], request["error"]) == ("shared", "/mnt/nfs/qwen", "")
+
+
+def test_the_generated_tiny_model_is_a_controller_directory() -> None:
+    request = source({"path": "ignored", "generated": True})
+    assert request["kind"] == "controller"
+    assert request["generated"] is True
+    assert request["source"] == SETTINGS["generated_dir"]
+    assert request["path"] == "/opt/llama-cluster/models/tiny"
+
+
+@pytest.mark.parametrize(
+    ("entry", "settings", "message"),
+    [
+        ({}, {}, "no path"),
+        ({"path": "not a repo"}, {}, "neither a hub id"),
+        ({"path": "Qwen/Qwen3-8B", "revision": "../x"}, {}, "not a branch, tag or commit"),
+        ({"path": "Qwen/Qwen3-8B", "hub": "github"}, {}, "unknown hub 'github'"),
+        ({"path": "Qwen/Qwen3-8B", "shared": True}, {}, "not a directory: shared storage"),
+        ({"path": "~/m", "shared": True}, {}, "must be an absolute path"),
+        ({"path": "/data/hub"}, {}, "cannot be copied under /opt/llama-cluster/models"),
+        (
+            {"path": "Qwen/Qwen3-8B"},
+            {"endpoints": {"huggingface": "hf-mirror.com", "modelscope": ""}},
+            "hf_endpoint='hf-mirror.com' is not an http(s) URL",
+        ),
+    ],
+)
+def test_bad_requests_say_what_is_wrong(entry: dict, settings: dict, message: str) -> None:
+    error = source(entry, **settings)["error"]
+    assert error.startswith("Model m: ")
+    assert message in error
+
+
+def _probed(answer: dict, token: bool = False, **entry: str) -> dict:
+    request = source({"path": "Qwen/Qwen3-8B", **entry})
+    return stage.model_stage_probe(request, answer, token, SETTINGS["hub_dir"])
+
+
+def test_an_answer_pins_the_request_to_the_hubs_commit() -> None:
+    config = {"model_type": "qwen3", "hidden_size": 4096}
+    pinned = _probed({"status": 200, "content": json.dumps(config), "x_repo_commit": COMMIT})
+    assert pinned["error"] == ""
+    assert pinned["config"] == config
+    assert pinned["commit"] == COMMIT
+    assert pinned["path"] == f"/opt/llama-cluster/models/hub/huggingface/Qwen--Qwen3-8B/{COMMIT}"
+    assert "revision main = commit 0123456789ab" in pinned["summary"]
+    # A mirror that names no commit: the revision's name keys the cache.
+    assert _probed({"status": 200, "content": "{}"})["path"].endswith("/Qwen--Qwen3-8B/main")
+
+
+@pytest.mark.parametrize(
+    ("answer", "token", "message"),
+    [
+        (
+            {
+                "status": -1,
+                "msg": "Status code was -1 and not [200]: Request failed: "
+                "<urlopen error [Errno 111] Connection refused>",
+            },
+            False,
+            "the endpoint is unreachable from the controller ([Errno 111] Connection refused)",
+        ),
+        ({"status": 401, "x_error_code": "GatedRepo"}, False, "gated or private (HTTP 401)"),
+        ({"status": 403}, True, "the token (hf_token) was refused (HTTP 403)"),
+        ({"status": 401, "x_error_code": "RepoNotFound"}, False, "has no model Qwen/Qwen3-8B"),
+        ({"status": 404, "x_error_code": "RevisionNotFound"}, False, "no revision main"),
+        ({"status": 404, "x_error_code": "EntryNotFound"}, False, "has no config.json"),
+        ({"status": 502}, False, "answered HTTP 502"),
+        ({"status": 200, "content": "<html>"}, False, "config.json is not JSON"),
+    ],
+)
+def test_a_failed_probe_names_the_model_and_the_endpoint(
+    answer: dict, token: bool, message: str
+) -> None:
+    error = _probed(answer, token)["error"]
+    assert error.startswith("Model m: (Qwen/Qwen3-8B, revision main, at https://hf-mirror.com) ")
+    assert message in error
+    assert error.endswith("Nothing was changed on any node.")
+
+
+def test_modelscope_refusals_in_a_200_answer_are_failures() -> None:
+    answer = {"status": 200, "content": json.dumps({"Success": False, "Message": "not exist"})}
+    assert "not exist" in _probed(answer, hub="modelscope")["error"]
+
+
+def test_progress_lines_read_like_a_download() -> None:
+    line = progress.progress_line(
+        "Qwen/Qwen3-8B",
+        {
+            "state": "downloading",
+            "bytes_done": 5_100_000_000,
+            "bytes_total": 15_200_000_000,
+            "files_done": 3,
+            "files_total": 12,
+            "rate": 48_200_000,
+        },
+    )
+    assert line == (
+        "Qwen/Qwen3-8B: 5.1 GB of 15.2 GB (34 %), 3 of 12 files, 48.2 MB/s, about 3.5 min left"
+    )
+    assert progress.progress_line("x", {"state": "listing"}) == "x: listing the files"
+
+
+def test_the_progress_poll_notices_a_downloader_that_ended_without_a_word(tmp_path: Path) -> None:
+    job = tmp_path / "job"
+    assert progress.job_ended(None) is None
+    assert progress.job_ended(str(job)) is None  # not written yet
+    job.write_text(json.dumps({"started": 1, "finished": 0, "ansible_job_id": "1"}))
+    assert progress.job_ended(str(job)) is None  # still running
+    job.write_text(json.dumps({"rc": 1, "stderr": "boom", "cmd": ["x"]}))
+    assert progress.job_ended(str(job))["rc"] == 1
+
+
+def _make_tiny(directory: Path) -> dict:
+    script = ROOT / "roles/tiny_model/files/make_tiny_model.py"
+    done = subprocess.run(
+        [sys.executable, str(script), str(directory)], capture_output=True, text=True, check=True
+    )
+    return json.loads(done.stdout)
+
+
+def test_the_tiny_model_is_made_with_the_standard_library_and_is_the_same_everywhere(
+    tmp_path: Path,
+) -> None:
+    first, second = _make_tiny(tmp_path / "a" / "tiny"), _make_tiny(tmp_path / "b" / "tiny")
+    assert first["sha256"] == second["sha256"]
+    assert first["parameters"] == 11152
+    made = sorted(p.name for p in (tmp_path / "a" / "tiny").iterdir())
+    assert made == [
+        "config.json",
+        "model.safetensors",
+        "tiny_model.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    assert not list((tmp_path / "a").glob(".tiny.partial-*")), "a partial directory was left"
+    blob = (tmp_path / "a" / "tiny" / "model.safetensors").read_bytes()
+    (size,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8 : 8 + size])
+    assert header["model.embed_tokens.weight"]["shape"] == [400, 16]
+    assert (
+        hashlib.sha256(blob).hexdigest()
+        == hashlib.sha256((tmp_path / "b" / "tiny" / "model.safetensors").read_bytes()).hexdigest()
+    )
+
+
+def test_transformers_loads_the_tiny_model_without_missing_weights(tmp_path: Path) -> None:
+    if not TRAIN_PYTHON.exists():
+        pytest.skip(f"no training venv at {TRAIN_PYTHON}: run scripts/setup-train-venv.sh")
+    _make_tiny(tmp_path / "tiny")
+    check = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+model, info = AutoModelForCausalLM.from_pretrained(sys.argv[1], output_loading_info=True)
+ids = tok("<|im_start|>user\\nthe cluster trains 12 + 3 = 15.<|im_end|>")["input_ids"]
+loss = model(torch.tensor([ids]), labels=torch.tensor([ids])).loss.item()
+seen = {"missing": sorted(info["missing_keys"]), "unexpected": sorted(info["unexpected_keys"])}
+seen |= {"eos": tok.eos_token, "pad": tok.pad_token, "text": tok.decode(ids), "loss": loss}
+print(json.dumps(seen))
+"""
+    done = subprocess.run(
+        [str(TRAIN_PYTHON), "-c", check, str(tmp_path / "tiny")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["missing"] == []
+    assert seen["unexpected"] == []
+    assert (seen["eos"], seen["pad"]) == ("<|im_end|>", "<|endoftext|>")
+    assert seen["text"] == "<|im_start|>user\nthe cluster trains 12 + 3 = 15.<|im_end|>"
+    assert 5.0 < seen["loss"] < 7.0, "an untrained 400-token model starts near ln(400) = 6.0"
+
+
+def test_an_unreachable_modelscope_fails_on_the_controller_naming_endpoint_and_model(
+    tmp_path: Path,
+) -> None:
+    # TEST-NET nodes: a request that got past the probe would fail on "unreachable" instead.
+    # (The same for Hugging Face, with a look at the nodes: molecule/train/tests/test_models.py.)
+    inventory = tmp_path / "inventory.yml"
+    node = '{"ansible_host": "192.0.2.%d", "cluster_accelerator": "cpu", "nproc_per_node": 1}'
+    inventory.write_text(
+        "all:\n  children:\n    cluster:\n      children:\n"
+        f"        master:\n          hosts:\n            a: {node % 1}\n"
+        f"        workers:\n          hosts:\n            b: {node % 2}\n"
+    )
+    request = ["-e", "model=qwen2.5-7b", "-e", "model_hub=modelscope"]
+    endpoint = ["-e", "modelscope_endpoint=http://127.0.0.1:9"]
+    done = subprocess.run(
+        [str(ANSIBLE_PLAYBOOK), "-i", str(inventory), "train.yml", *request, *endpoint],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+        env={"ANSIBLE_NOCOLOR": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+    )
+    out = " ".join((done.stdout + done.stderr).split())
+    assert done.returncode != 0
+    assert (
+        "Model qwen2.5-7b: (Qwen/Qwen2.5-7B-Instruct, revision master, at http://127.0.0.1:9) "
+        "the endpoint is unreachable from the controller" in out
+    ), out[-2000:]
+    assert "Check modelscope_endpoint" in out
+    assert "Train | Prepare every node" not in out, "a node was contacted"
