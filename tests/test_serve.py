@@ -262,6 +262,12 @@ def test_tensorboard_true_adds_tensorboard_to_report_to():
     assert tracking_train_args({"report_to": "none"}, "", False) == {"report_to": "none"}
 
 
+def test_train_args_that_are_no_mapping_are_left_to_the_planner():
+    # train.yml's planner names the problem ("train_args must be a mapping"); no filter traceback.
+    assert tracking_train_args("fast", "wandb", True) == "fast"
+    assert tracking_train_args(None, "", False) == {}
+
+
 # ---------------------------------------------------------------------------------------------
 # The playbooks refuse on the controller
 # ---------------------------------------------------------------------------------------------

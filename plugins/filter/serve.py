@@ -478,15 +478,20 @@ def tracking_plan(
 
 
 def tracking_train_args(
-    train_args: Mapping[str, Any], report_to: object = "", tensorboard: object = False
-) -> dict[str, Any]:
+    train_args: object, report_to: object = "", tensorboard: object = False
+) -> object:
     """train_args with report_to as train.yml's -e report_to and -e tensorboard=true ask.
 
     -e report_to replaces train_args.report_to; -e tensorboard=true adds tensorboard to whatever
     report_to is then (TensorBoard shows the event files report_to tensorboard writes). Neither
-    given: train_args as it is (training_defaults has report_to: none).
+    given: train_args as it is (training_defaults has report_to: none). train_args that is not a
+    mapping comes back as it is, for the planner to refuse with its own message.
     """
-    args = dict(train_args or {})
+    if train_args in (None, ""):
+        train_args = {}
+    if not isinstance(train_args, Mapping):
+        return train_args
+    args = dict(train_args)
     if report_to not in (None, ""):
         args["report_to"] = report_to
     if _flag(tensorboard):
