@@ -296,8 +296,13 @@ def test_nodes_that_disagree_on_the_accelerator_are_refused(tmp_path: Path) -> N
 
 
 def test_a_model_of_unknown_size_is_refused(two_nodes: Path) -> None:
+    # A directory of the controller (roles/model_stage reads its config.json before the plan)
+    # whose config gives no shape to count the parameters from.
+    model = two_nodes.parent / "mine"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "mystery"}')
     out = _fails_before_nodes(
-        two_nodes, "-e", "model=mine", "-e", "model_path=/models/mine", "-e", "model_template=qwen"
+        two_nodes, "-e", "model=mine", "-e", f"model_path={model}", "-e", "model_template=qwen"
     )
     assert "its size is unknown" in out
     assert "-e model_params_b=7.6" in out

@@ -441,9 +441,10 @@ def resolve_model(request: Mapping[str, Any], catalogue: Mapping[str, Any]) -> d
     else:
         raise PlanError(
             f"Model {name or model['path']} ({model['path']}): its size is unknown (no params_b "
-            f"in {CATALOGUE_FILE} and no config.json to count from), and the DeepSpeed stage, "
-            "micro-batch and checkpointing depend on it. Give the size in billions of "
-            "parameters, e.g. -e model_params_b=7.6, or add the model to the catalogue."
+            f"in {CATALOGUE_FILE} and no config.json with a shape to count from), and the "
+            "DeepSpeed stage, micro-batch and checkpointing depend on it. Give the size in "
+            "billions of parameters, e.g. -e model_params_b=7.6, or add the model to the "
+            "catalogue."
         )
     model["params_source"] = source
     model["shape"] = model_shape(config) if config else None
