@@ -70,6 +70,7 @@ class Lab:
                 "children": {
                     "cluster": {"hosts": {h: {} for h in hosts}},
                     "master": {"hosts": {hosts[0]: {}}},
+                    "workers": {"hosts": {h: {} for h in hosts[1:]}},
                 },
                 "vars": {
                     "ansible_connection": "local",
