@@ -240,6 +240,19 @@ def test_first_error_lines_skip_the_supervisor_and_warnings():
     assert lj.first_error_lines("a\nb") == ["a", "b"]
 
 
+def test_the_exit_status_a_launcher_reports_is_read_from_its_output():
+    # torchrun, once a rank was killed: its agent's line, then ChildFailedError's summary.
+    text = (
+        "E1201 11:32:46 api.py:986] failed (exitcode: -9) local_rank: 0 (pid: 8393) of binary\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"
+        "  exitcode  : -9 (pid: 8393)\n"
+    )
+    assert lj.reported_exit_status(text) == -9
+    assert lj.describe_exit(lj.reported_exit_status(text)) == "killed by signal 9 (SIGKILL)"
+    assert lj.reported_exit_status("exitcode : 0\nChildFailedError") is None
+    assert lj.reported_exit_status("ChildFailedError: rank 1 died") is None
+
+
 def test_environment_files_read_as_systemd_reads_them():
     env = lj.read_env_file('# comment\nA="1 2"\nB=plain\nC=""\n')
     assert env == {"A": "1 2", "B": "plain", "C": ""}
