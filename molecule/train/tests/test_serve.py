@@ -91,7 +91,9 @@ def _address(node: str) -> str:
     return done.stdout.strip()
 
 
-# The same request from anywhere: python3 on the node image, urllib on the controller.
+# The same request from anywhere: python3 on the node image, urllib on the controller. The
+# server's model name is the one GET /v1/models lists (LLaMA-Factory's API_MODEL_NAME; a chat
+# completion only echoes the name the request gave).
 ASK = r"""
 import json, sys, urllib.request, urllib.error
 url, key = sys.argv[1], sys.argv[2]
@@ -100,11 +102,14 @@ headers = {"Content-Type": "application/json"}
 if key:
     headers["Authorization"] = "Bearer " + key
 request = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(), headers)
+listing = urllib.request.Request(url + "/v1/models", headers=headers)
 try:
     with urllib.request.urlopen(request, timeout=float(sys.argv[3])) as answer:
         data = json.load(answer)
-        print(json.dumps({"status": answer.status, "model": data["model"],
-                          "content": data["choices"][0]["message"]["content"]}))
+    with urllib.request.urlopen(listing, timeout=float(sys.argv[3])) as models:
+        names = [m["id"] for m in json.load(models)["data"]]
+    print(json.dumps({"status": answer.status, "model": names[0],
+                      "content": data["choices"][0]["message"]["content"]}))
 except urllib.error.HTTPError as err:
     print(json.dumps({"status": err.code}))
 except OSError as err:
