@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
+from conftest import HF_TOKEN as TOKEN
 
 ROOT = Path(__file__).resolve().parents[3]
 PREFIX = os.environ.get("LLAMA_MOLECULE_PREFIX", "mol")
 NODES = (f"{PREFIX}-train-node1", f"{PREFIX}-train-node2")
 BASE = "/opt/llama-cluster"
-TOKEN = "hf_FAKE_llama_cluster_1234567890"
 CACHE = Path(os.environ.get("LLAMA_CLUSTER_CACHE") or Path.home() / ".cache" / "llama-cluster")
 TINY = CACHE / "models" / "tiny"
 HUB_REPO = "llama-cluster/tiny-hub"
@@ -104,11 +104,10 @@ def _staged() -> None:
         pytest.skip("the tiny model is not on the nodes (the tiny run did not stage it)")
 
 
-def test_the_controllers_tiny_model_is_staged_and_trains_keeping_the_token_secret() -> None:
-    one_epoch = json.dumps({"train_args": {"num_train_epochs": 1}})
-    done = _playbook(
-        "train.yml", "-v", "-e", "model=tiny", "-e", one_epoch, "-e", f"hf_token={TOKEN}"
-    )
+def test_the_controllers_tiny_model_is_staged_and_trains_keeping_the_token_secret(
+    tiny_run: dict,
+) -> None:
+    done = tiny_run["done"]  # train.yml -v -e model=tiny -e hf_token=TOKEN (conftest.py)
     assert done.returncode == 0, done.stdout[-5000:]
     _assert_no_token("the play's output (-v)", done.stdout)
     said = _said(done.stdout)

@@ -245,9 +245,8 @@ def _record(name: str, seconds: float, bound: float) -> None:
 # ---------------------------------------------------------------------------------------------
 # A run, and what stays of it
 # ---------------------------------------------------------------------------------------------
-def test_tiny_model_trains_across_both_nodes() -> None:
-    started = time.monotonic()
-    done = _playbook("train.yml", "-e", "model=tiny")
+def test_tiny_model_trains_across_both_nodes(tiny_run: dict) -> None:
+    done = tiny_run["done"]  # train.yml -e model=tiny (and more: conftest.py)
     output = done.stdout
     assert done.returncode == 0, output[-5000:]
     run_id = _run_id(output)
@@ -268,7 +267,7 @@ def test_tiny_model_trains_across_both_nodes() -> None:
     assert status["phase"] == "succeeded"
     assert status["active"] is False
     _assert_nothing_active()
-    print(f"2-node tiny run {run_id}: {time.monotonic() - started:.0f} s, final loss {losses[-1]}")
+    print(f"2-node tiny run {run_id}: {tiny_run['seconds']:.0f} s, final loss {losses[-1]}")
 
 
 def test_status_says_the_run_succeeded_not_active_exited() -> None:
@@ -488,24 +487,6 @@ def test_detached_run_is_followed_logged_and_stopped_without_systemd() -> None:
     assert _training_processes() == {}
     _assert_nothing_active()
     assert "adapter" not in _node(MASTER, f"ls {RUNS}/{run_id}/output"), "it finished too soon"
-
-
-def _playbook_export(run_id: str) -> subprocess.CompletedProcess:
-    return _playbook("playbooks/export.yml", "-e", f"run_id={run_id}")
-
-
-def test_export_merges_the_lora_adapter_into_the_base_model() -> None:
-    run_id = _state.get("first")
-    if not run_id:
-        pytest.skip("the first run did not complete")
-    done = _playbook_export(run_id)
-    assert done.returncode == 0, done.stdout[-4000:]
-    merged = _node(MASTER, f"ls {RUNS}/{run_id}/merged")
-    assert "model.safetensors" in merged
-    assert "tokenizer.json" in merged
-    again = _playbook_export(run_id)
-    assert again.returncode == 0
-    assert "changed=0" in again.stdout, "a second export changed something"
 
 
 # The last fault: a node killed outright. The container is started again afterwards (and its
