@@ -10,7 +10,10 @@ export LLAMA_CLUSTER_CACHE ?= $(HOME)/.cache/llama-cluster
 export LLAMA_CLUSTER_TRAIN_VENV ?= $(LLAMA_CLUSTER_CACHE)/venv-train
 export LLAMA_CLUSTER_TRAIN_PYTHON ?= $(LLAMA_CLUSTER_TRAIN_VENV)/bin/python
 
-.PHONY: setup test-env lab lab-down provision train demo lint test test-fast
+.PHONY: host setup test-env lab lab-down provision train demo lint test test-fast
+
+host:                 ## this machine: Docker daemon, debootstrap, rsync (installed and started as root)
+	@scripts/bootstrap-host.sh
 
 setup:                ## controller: .venv + collections
 	scripts/setup-controller.sh
@@ -20,7 +23,7 @@ test-env: setup       ## the node wheelhouse (CPU build) and a controller venv w
 	  -e wheelhouse_python=$$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 	scripts/setup-train-venv.sh
 
-lab: setup            ## start the local lab cluster (NODES=2)
+lab: host setup       ## start the local lab cluster (NODES=2)
 	$(VENV)/ansible-playbook playbooks/lab.yml -e lab_nodes=$(NODES)
 
 lab-down: setup       ## remove the lab's containers and network
@@ -53,7 +56,7 @@ test-fast: test-env   ## lint + pytest without molecule scenarios
 
 # The runner's lab tests need the lab: a lab already up is used and kept; otherwise one is started
 # for the tests and removed after them.
-test: test-env        ## everything CI runs: lint, pytest (lab and molecule scenarios included)
+test: host test-env   ## everything CI runs: lint, pytest (lab and molecule scenarios included)
 	$(MAKE) lint
 	@if [ -f inventory/lab.yml ]; then $(VENV)/pytest; else \
 	  $(VENV)/ansible-playbook playbooks/lab.yml && { $(VENV)/pytest; status=$$?; \
