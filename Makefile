@@ -2,6 +2,8 @@
 SHELL := /bin/bash
 VENV := .venv/bin
 NODES ?= 2
+# The lab's name: its containers, network and Docker labels derive from it.
+LAB_NAME ?= llama-lab
 # Tools that tests and scripts start by name (ansible-playbook, ansible-config, molecule) come
 # from the controller environment, activated or not.
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
@@ -24,10 +26,10 @@ test-env: setup       ## the node wheelhouse (CPU build) and a controller venv w
 	scripts/setup-train-venv.sh
 
 lab: host setup       ## start the local lab cluster (NODES=2)
-	$(VENV)/ansible-playbook playbooks/lab.yml -e lab_nodes=$(NODES)
+	$(VENV)/ansible-playbook playbooks/lab.yml -e lab_nodes=$(NODES) -e lab_cluster_name=$(LAB_NAME)
 
 lab-down: setup       ## remove the lab's containers and network
-	$(VENV)/ansible-playbook playbooks/lab.yml -e lab_state=absent
+	$(VENV)/ansible-playbook playbooks/lab.yml -e lab_state=absent -e lab_cluster_name=$(LAB_NAME)
 
 provision: setup
 	$(VENV)/ansible-playbook provision.yml
@@ -35,7 +37,8 @@ provision: setup
 train: setup
 	$(VENV)/ansible-playbook train.yml -e model=tiny
 
-demo: lab provision train   ## set up, start the lab, provision it, train the tiny model on 2 nodes
+demo:                 ## set up, start the lab, provision it, train the tiny model on 2 nodes (timed)
+	@NODES=$(NODES) LAB_NAME=$(LAB_NAME) scripts/demo.sh
 
 # Code that runs on the nodes must run on Python 3.10 (Ubuntu 22.04's python3): the modules in
 # library/ and every Python file the roles run or install there (roles/*/files: *.py, and files
