@@ -37,7 +37,7 @@ provision: setup
 train: setup
 	$(VENV)/ansible-playbook train.yml -e model=tiny
 
-demo:                 ## set up, start the lab, provision it, train the tiny model on 2 nodes (timed)
+demo: host            ## set up, start the lab, provision it, train the tiny model on 2 nodes (timed)
 	@NODES=$(NODES) LAB_NAME=$(LAB_NAME) scripts/demo.sh
 
 # Code that runs on the nodes must run on Python 3.10 (Ubuntu 22.04's python3): the modules in

@@ -4,7 +4,7 @@
 # long it all took. The phases are the Makefile's own targets (lab, provision, train).
 #   scripts/demo.sh     NODES (default 2) and LAB_NAME (default llama-lab) from the environment
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "${0%/*}/.."
 
 make=${MAKE:-make}
 nodes=${NODES:-2}

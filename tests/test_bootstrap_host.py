@@ -130,10 +130,11 @@ def test_other_daemon_is_not_started_here() -> None:
     assert took < 5
 
 
-def test_make_test_without_docker_stops_at_once(bin_dir: Path) -> None:
-    """`make test` fails before setting up anything, with the script's line."""
+@pytest.mark.parametrize("target", ["test", "demo"])
+def test_make_without_docker_stops_at_once(bin_dir: Path, target: str) -> None:
+    """`make test` and `make demo` fail before setting up anything, with the script's line."""
     path = tools_path(bin_dir, without=("docker", "dockerd"))
-    done, took = run([*NOBODY, "make", "--no-print-directory", "test"], path)
+    done, took = run([*NOBODY, "make", "--no-print-directory", target], path)
     assert done.returncode != 0
     assert f"error: missing docker.io and this is not root: {FIX}" in done.stderr.splitlines()
     assert "setup:" not in done.stdout
