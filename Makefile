@@ -2,6 +2,8 @@
 SHELL := /bin/bash
 VENV := .venv/bin
 NODES ?= 2
+# The lab's name: its containers, network and Docker labels derive from it.
+LAB_NAME ?= llama-lab
 # Tools that tests and scripts start by name (ansible-playbook, ansible-config, molecule) come
 # from the controller environment, activated or not.
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
@@ -10,7 +12,10 @@ export LLAMA_CLUSTER_CACHE ?= $(HOME)/.cache/llama-cluster
 export LLAMA_CLUSTER_TRAIN_VENV ?= $(LLAMA_CLUSTER_CACHE)/venv-train
 export LLAMA_CLUSTER_TRAIN_PYTHON ?= $(LLAMA_CLUSTER_TRAIN_VENV)/bin/python
 
-.PHONY: setup test-env lab lab-down provision train demo lint test test-fast
+.PHONY: host setup test-env lab lab-down provision train demo lint test test-fast
+
+host:                 ## this machine: Docker daemon, debootstrap, rsync (installed and started as root)
+	@scripts/bootstrap-host.sh
 
 setup:                ## controller: .venv + collections
 	scripts/setup-controller.sh
@@ -20,11 +25,11 @@ test-env: setup       ## the node wheelhouse (CPU build) and a controller venv w
 	  -e wheelhouse_python=$$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 	scripts/setup-train-venv.sh
 
-lab: setup            ## start the local lab cluster (NODES=2)
-	$(VENV)/ansible-playbook playbooks/lab.yml -e lab_nodes=$(NODES)
+lab: host setup       ## start the local lab cluster (NODES=2)
+	$(VENV)/ansible-playbook playbooks/lab.yml -e lab_nodes=$(NODES) -e lab_cluster_name=$(LAB_NAME)
 
 lab-down: setup       ## remove the lab's containers and network
-	$(VENV)/ansible-playbook playbooks/lab.yml -e lab_state=absent
+	$(VENV)/ansible-playbook playbooks/lab.yml -e lab_state=absent -e lab_cluster_name=$(LAB_NAME)
 
 provision: setup
 	$(VENV)/ansible-playbook provision.yml
@@ -32,7 +37,8 @@ provision: setup
 train: setup
 	$(VENV)/ansible-playbook train.yml -e model=tiny
 
-demo: lab provision train   ## set up, start the lab, provision it, train the tiny model on 2 nodes
+demo: host            ## set up, start the lab, provision it, train the tiny model on 2 nodes (timed)
+	@NODES=$(NODES) LAB_NAME=$(LAB_NAME) scripts/demo.sh
 
 # Code that runs on the nodes must run on Python 3.10 (Ubuntu 22.04's python3): the modules in
 # library/ and every Python file the roles run or install there (roles/*/files: *.py, and files
@@ -53,7 +59,7 @@ test-fast: test-env   ## lint + pytest without molecule scenarios
 
 # The runner's lab tests need the lab: a lab already up is used and kept; otherwise one is started
 # for the tests and removed after them.
-test: test-env        ## everything CI runs: lint, pytest (lab and molecule scenarios included)
+test: host test-env   ## everything CI runs: lint, pytest (lab and molecule scenarios included)
 	$(MAKE) lint
 	@if [ -f inventory/lab.yml ]; then $(VENV)/pytest; else \
 	  $(VENV)/ansible-playbook playbooks/lab.yml && { $(VENV)/pytest; status=$$?; \

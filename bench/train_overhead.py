@@ -1,4 +1,4 @@
-"""Launch overhead of train.yml, and the tiny run via train.yml vs the same run started by hand.
+"""Launch overhead of train.yml, the tiny run via train.yml vs by hand, and a no-op provision.
 
 Measures, on a 2-node lab whose nodes are Docker containers (the lab or molecule/train):
   1. launch overhead: from `ansible-playbook train.yml` starting to every rank having joined the
@@ -6,15 +6,19 @@ Measures, on a 2-node lab whose nodes are Docker containers (the lab or molecule
   2. the whole tiny run via train.yml (validation, render, launch, watch, fetch, summary);
   3. the same training started by hand on the same nodes: the run directory train.yml rendered,
      copied, and `llamafactory-cli train` started on every node at once with the launcher's
-     environment (as two terminals would), timed until every node's command exits.
-Prints a Markdown table and writes it to bench/train_overhead.md.
+     environment (as two terminals would), timed until every node's command exits;
+  4. provision.yml re-run on the provisioned nodes (a no-op: its wall time and changed= per node),
+     right after the runs above.
+Prints a Markdown table with the load average before and after, and writes it to
+bench/train_overhead.md.
 
-    python bench/train_overhead.py -i <inventory> [--nodes node1,node2] [--repeat 1]
+    python bench/train_overhead.py -i INVENTORY [--nodes N1,N2] [--repeat 1] [--no-provision]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -34,6 +38,40 @@ class Timing:
     run_id: str
     joined_s: float
     total_s: float
+
+
+def load() -> str:
+    """The 1, 5 and 15 minute load averages."""
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def playbook(inventory: str, *args: str) -> tuple[float, str]:
+    """Run ansible-playbook from the project root; its wall time and output (exit on failure)."""
+    started = time.monotonic()
+    done = subprocess.run(
+        [str(Path(sys.executable).with_name("ansible-playbook")), "-i", inventory, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "ANSIBLE_NOCOLOR": "1"},
+        check=False,
+    )
+    took = time.monotonic() - started
+    if done.returncode != 0:
+        sys.exit(f"ansible-playbook {' '.join(args)} failed:\n{done.stdout[-3000:]}")
+    return took, done.stdout
+
+
+def provision_noop(inventory: str, nodes: list[str]) -> tuple[float, dict[str, int]]:
+    """Re-run provision.yml: its wall time and each node's changed= count from the recap."""
+    took, out = playbook(inventory, "provision.yml")
+    recap = out.rsplit("PLAY RECAP", maxsplit=1)[-1]
+    changed = {
+        host: int(count)
+        for host, count in re.findall(r"^(\S+)\s+: ok=\d+\s+changed=(\d+)", recap, re.M)
+        if host in nodes
+    }
+    return took, changed
 
 
 def node(name: str, command: str, check: bool = False) -> str:
@@ -134,9 +172,11 @@ def main() -> None:
     parser.add_argument("-i", "--inventory", default=str(ROOT / "inventory/lab.yml"))
     parser.add_argument("--nodes", default="llama-lab-node1,llama-lab-node2")
     parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--no-provision", action="store_true", help="skip the no-op provision")
     args = parser.parse_args()
     nodes = args.nodes.split(",")
     master_addr = node(nodes[0], "hostname -I").split()[0]
+    load_before = load()
 
     rows = []
     for _ in range(args.repeat):
@@ -148,16 +188,27 @@ def main() -> None:
             f"by hand {hand:.1f} s",
             flush=True,
         )
+    noop = None if args.no_provision else provision_noop(args.inventory, nodes)
 
     table = [
         "| run | train.yml start -> all ranks joined (s) | whole run via train.yml (s) "
-        "| same run by hand (s) | train.yml overhead (s) |",
+        "| same run by hand (s) | via train.yml / by hand |",
         "|---|---|---|---|---|",
     ]
     table += [
-        f"| {t.run_id} | {t.joined_s:.1f} | {t.total_s:.1f} | {h:.1f} | {t.total_s - h:.1f} |"
+        f"| {t.run_id} | {t.joined_s:.1f} | {t.total_s:.1f} | {h:.1f} | {t.total_s / h:.2f}x |"
         for t, h in rows
     ]
+    if noop:
+        took, changed = noop
+        counts = ", ".join(f"{host} changed={n}" for host, n in sorted(changed.items()))
+        table += [
+            "",
+            f"| provision.yml no-op, {len(nodes)} nodes (s) | changed per node |",
+            "|---|---|",
+            f"| {took:.1f} | {counts} |",
+        ]
+    table += ["", f"Load average (1, 5, 15 min): {load_before} before, {load()} after."]
     text = "\n".join(table) + "\n"
     print(text)
     out = ROOT / "bench/train_overhead.md"

@@ -464,6 +464,11 @@ class Cluster:
         ):
             env["ANSIBLE_CALLBACK_PLUGINS"] = str(callbacks)
             env["ANSIBLE_STDOUT_CALLBACK"] = "llama_progress"
+            # Without ansible.cfg's timers (profile_tasks, timer): they print after the recap,
+            # as events after playbook_on_stats and over the stdout tail an error quotes; every
+            # task event has its own times. Naming the stdout callback alone enables no other.
+            if "ANSIBLE_CALLBACKS_ENABLED" not in os.environ:
+                env["ANSIBLE_CALLBACKS_ENABLED"] = "llama_progress"
         return env
 
     def _cfg_bool(self, section: str, key: str, default: bool = True) -> bool:

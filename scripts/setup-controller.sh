@@ -67,5 +67,5 @@ PY
   echo "$want" > collections/.stamp
 fi
 
-echo "setup: controller ready ($(.venv/bin/ansible --version | head -1))"
+echo "setup: controller ready ($(.venv/bin/ansible --version | sed -n 1p))"
 echo "setup: activate it with: source .venv/bin/activate"

@@ -1,15 +1,24 @@
 """Print the versions of the node's training stack as JSON (the local fact llama_stack).
 
-Run with the environment's python; read-only. Usage: stack_probe.py LLAMAFACTORY_CLI
+Run with the environment's python. Usage: stack_probe.py LLAMAFACTORY_CLI [CACHE]
+
+The distributions' versions are read from their metadata on every run. What only importing torch
+and running `llamafactory-cli env` tells (torch's CUDA and NCCL, LLaMA-Factory's report, half a
+minute on a small node) is kept in the file CACHE, if given, with the key of everything it
+depends on: every installed distribution and its version, the Python, the kernel, the NVIDIA
+driver and GPUs. Any change to one of them probes again; the probe writes nothing else.
 """
 
+import hashlib
 import json
+import os
 import platform
 import subprocess
 import sys
-from importlib.metadata import version
-
-import torch
+import tempfile
+from importlib.metadata import distributions, version
+from pathlib import Path
+from types import ModuleType
 
 DISTRIBUTIONS = (
     "torch",
@@ -21,9 +30,20 @@ DISTRIBUTIONS = (
     "accelerate",
     "peft",
 )
+NVIDIA = Path("/proc/driver/nvidia")
 
 
-def nccl_version() -> str | None:
+def probe_key(cli: str) -> str:
+    """A digest of everything the expensive part of the probe depends on."""
+    parts = sorted(f"{d.metadata['Name']}=={d.version}" for d in distributions())
+    parts += [sys.executable, platform.python_version(), platform.platform(), cli]
+    if NVIDIA.is_dir():
+        files = [NVIDIA / "version", *sorted(NVIDIA.glob("gpus/*/information"))]
+        parts += [f"{path}:{path.read_text(errors='replace')}" for path in files if path.is_file()]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def nccl_version(torch: ModuleType) -> str | None:
     """The NCCL that torch bundles (the one training uses), or None without CUDA."""
     if not torch.cuda.is_available() and torch.version.cuda is None:
         return None
@@ -33,18 +53,48 @@ def nccl_version() -> str | None:
         return None
 
 
-def main() -> None:
-    """Print the fact."""
-    stack: dict[str, object] = {"python": platform.python_version()}
-    stack.update({name: version(name) for name in DISTRIBUTIONS})
-    stack["torch_cuda"] = torch.version.cuda
-    stack["nccl"] = nccl_version()
-    env = subprocess.run(
-        [sys.argv[1], "env"], capture_output=True, text=True, check=True, timeout=300
-    )
+def runtime(cli: str) -> dict[str, object]:
+    """torch's CUDA and NCCL, and LLaMA-Factory's own report (imports torch, runs the CLI)."""
+    import torch  # noqa: PLC0415 - seconds to import: only when the cache does not answer
+
+    env = subprocess.run([cli, "env"], capture_output=True, text=True, check=True, timeout=300)
     # Only the report's "- key: value" lines: log lines carry timestamps and would change each run.
     report = [line for line in env.stdout.splitlines() if line.startswith("- ")]
-    stack["llamafactory_env"] = "\n".join(report)
+    return {
+        "torch_cuda": torch.version.cuda,
+        "nccl": nccl_version(torch),
+        "llamafactory_env": "\n".join(report),
+    }
+
+
+def cached_runtime(cli: str, cache: Path | None) -> dict[str, object]:
+    """runtime(cli), from the cache when its key still holds (then written back)."""
+    if cache is None:
+        return runtime(cli)
+    key = probe_key(cli)
+    try:
+        saved = json.loads(cache.read_text())
+        if saved.get("key") == key:
+            return saved["runtime"]
+    except (OSError, ValueError, KeyError, AttributeError):
+        pass
+    found = runtime(cli)
+    try:
+        with tempfile.NamedTemporaryFile("w", dir=cache.parent, delete=False) as tmp:
+            json.dump({"key": key, "runtime": found}, tmp, sort_keys=True)
+        os.replace(tmp.name, cache)
+    except OSError:
+        pass  # a cache that cannot be written only costs the next run its time
+    return found
+
+
+def main() -> None:
+    """Print the fact."""
+    cli = sys.argv[1]
+    cache = Path(sys.argv[2]) if len(sys.argv) > 2 else None
+    stack: dict[str, object] = {"python": platform.python_version()}
+    stack.update({name: version(name) for name in DISTRIBUTIONS})
+    stack.update(cached_runtime(cli, cache))
     print(json.dumps(stack, sort_keys=True))
 
 
