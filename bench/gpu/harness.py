@@ -6,13 +6,13 @@
 Phases (in the order given; each is skipped, and says so, when its estimate would pass the
 deadline):
 
-- ``setup``: GPUs and versions, the node facts (provision.yml --tags
-  host_facts,llamafactory), the measured bf16 matmul rate, the models the later phases need
-  (bench/make_model.py) and the data.
+- ``setup``: GPUs and versions, the node facts and the supervisor (provision.yml --tags
+  host_facts,llamafactory,job_supervisor), the measured bf16 matmul rate, the models the later
+  phases need (bench/make_model.py) and the data.
 - ``goal-1.5b``, ``goal-0.5b``, ``goal-7b``: the product, then the example, on one GPU:
   1. train.yml (local connection, one logical node per GPU) with the catalogue model, the
      generated weights and the synthetic data, detached; the benchmark follows rank 0's
-     trainer_log.jsonl and stops the run (the launcher's llama-supervise) once the timed window
+     trainer_log.jsonl and stops the run (the supervisor's `llama-job stop`) once the timed window
      is long enough. What train.yml rendered (train.yaml, plan.json, ds_config.json) is kept.
   2. LLaMA-Factory's example (examples/train_full/qwen3_full_sft.yaml or
      examples/train_lora/qwen3_lora_sft.yaml of v0.9.5) launched by hand, as its README says:
@@ -669,15 +669,14 @@ def end_session(proc: subprocess.Popen, grace: float = 20) -> None:
 
 
 def stop_run(ctx: Ctx, run_dir: Path) -> None:
-    """Stop a detached run the way the launcher does, then make sure nothing of it is left."""
-    tool = ctx.base_dir / "bin" / "llama-supervise"
-    for state in sorted((run_dir / "state").glob("*.json")):
-        if tool.exists():
-            subprocess.run(
-                [ctx.python, str(tool), "stop", f"--state={state}", "--timeout=20"],
-                capture_output=True,
-                check=False,
-            )
+    """Stop a detached run the way playbooks/stop.yml does, then make sure nothing is left."""
+    tool = Path("/usr/local/sbin/llama-job")  # cluster_job_bin
+    if tool.exists():
+        subprocess.run(
+            [str(tool), "stop", f"--job={run_dir.name}", "--timeout=20"],
+            capture_output=True,
+            check=False,
+        )
     left = processes_with(str(run_dir))
     if left:
         say(f"{len(left)} processes of {run_dir.name} outlived the supervisor's stop; ending them")
@@ -1052,8 +1051,9 @@ def setup_phase(ctx: Ctx, phases: list[str]) -> None:
         data = [ctx.python, "-c", DATA, str(ROOT / "bench"), str(ctx.data_dir)]
         subprocess.run([*data, str(ctx.mode.samples)], check=True)
     # train.yml compares what every node recorded (llama_host, llama_stack) before it starts: the
-    # llamafactory role records the image's stack (llamafactory_install: false installs nothing).
-    tags = "host_facts,llamafactory"
+    # llamafactory role records the image's stack (llamafactory_install: false installs nothing);
+    # job_supervisor installs llama-job, which every launch goes through.
+    tags = "host_facts,llamafactory,job_supervisor"
     cmd = [ctx.playbook, "-i", str(ctx.inventory(1)), "provision.yml", "--tags", tags]
     rc = run_logged(cmd, dest / "facts.log", ctx, 180)
     say(f"node facts (provision.yml --tags {tags}): rc {rc}")
