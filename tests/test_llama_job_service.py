@@ -9,6 +9,7 @@ this machine, as in tests/test_llama_job.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pwd
@@ -107,9 +108,13 @@ class Service:
         return [line for line in out.splitlines() if str(self.tmp / "service.py") in line]
 
     def close(self) -> None:
+        child = self.state().get("child")
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+        if child:  # the command runs in a process group of its own
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child, signal.SIGKILL)
         for line in self.leftovers():
             os.kill(int(line.split()[0]), signal.SIGKILL)
 
