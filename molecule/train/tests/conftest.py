@@ -9,14 +9,11 @@ training), so the tests that only need a finished tiny run look at the same one:
 
 from __future__ import annotations
 
-import os
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
+from test_train import _playbook
 
-ROOT = Path(__file__).resolve().parents[3]
 # A recognisable fake hub token: test_models asserts it shows nowhere but in its 0600 file.
 HF_TOKEN = "hf_FAKE_llama_cluster_1234567890"
 
@@ -24,20 +21,10 @@ HF_TOKEN = "hf_FAKE_llama_cluster_1234567890"
 @pytest.fixture(scope="session")
 def tiny_run() -> dict[str, object]:
     """train.yml -v -e model=tiny -e hf_token=... -e tensorboard=true, run once: its output."""
-    inventory = os.environ.get("MOLECULE_INVENTORY_FILE")
-    if not inventory:
-        pytest.skip("runs under molecule verify (MOLECULE_INVENTORY_FILE is not set)")
     started = time.monotonic()
-    done = subprocess.run(
-        ["ansible-playbook", "-i", inventory, "train.yml", "-v", "-e", "model=tiny",
-         "-e", f"hf_token={HF_TOKEN}", "-e", "tensorboard=true"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "ANSIBLE_FORCE_COLOR": "0", "ANSIBLE_NOCOLOR": "1"},
-        check=False,
-        timeout=1200,
+    done = _playbook(
+        "train.yml", "-v", "-e", "model=tiny", "-e", f"hf_token={HF_TOKEN}",
+        "-e", "tensorboard=true", timeout=1200,
     )  # fmt: skip
     seconds = time.monotonic() - started
     print(f"the shared tiny run: {seconds:.0f} s")

@@ -21,29 +21,18 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
+from test_train import NODES, PREFIX, ROOT, RUNS, _address, _inventory
 
-ROOT = Path(__file__).resolve().parents[3]
-PREFIX = os.environ.get("LLAMA_MOLECULE_PREFIX", "mol")
-NODES = (f"{PREFIX}-train-node1", f"{PREFIX}-train-node2")
 NETWORK = f"{PREFIX}-train"
 OUTSIDER = f"{PREFIX}-train-outsider"
 IMAGE = "llama-cluster-node:bookworm-2"
-RUNS = "/opt/llama-cluster/runs"
 SERVE_PORT, TENSORBOARD_PORT = 8000, 6006
 API_KEY = "lab-key-7d2f1c0b9e"  # LLAMA_SERVE_API_KEY for the serving tests
 TRAIN_PYTHON = os.environ.get("LLAMA_CLUSTER_TRAIN_PYTHON", "")
 
 _state: dict[str, object] = {}
-
-
-def _inventory() -> str:
-    path = os.environ.get("MOLECULE_INVENTORY_FILE")
-    if not path:
-        pytest.skip("runs under molecule verify (MOLECULE_INVENTORY_FILE is not set)")
-    return path
 
 
 def _playbook(playbook: str, *extra: str, api_key: str = "") -> subprocess.CompletedProcess:
@@ -73,22 +62,6 @@ def _node(node: str, command: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["docker", "exec", node, "sh", "-c", command], capture_output=True, text=True, check=False
     )
-
-
-def _address(node: str) -> str:
-    done = subprocess.run(
-        [
-            "docker",
-            "inspect",
-            "-f",
-            "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}",
-            node,
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return done.stdout.strip()
 
 
 # The same request from anywhere: python3 on the node image, urllib on the controller. The
