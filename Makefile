@@ -41,9 +41,9 @@ demo: host            ## set up, start the lab, provision it, train the tiny mod
 	@NODES=$(NODES) LAB_NAME=$(LAB_NAME) scripts/demo.sh
 
 # Code that runs on the nodes must run on Python 3.10 (Ubuntu 22.04's python3): the modules in
-# library/ and every Python file the roles run or install there (roles/*/files: *.py, and files
-# whose first line is a python shebang). vermin fails on anything newer (datetime.UTC, tomllib, ...).
-NODE_PYTHON = $(shell find library roles/*/files -type f -name '*.py'; \
+# library/ and roles/*/library, and every Python file the roles run or install there
+# (roles/*/files: *.py, and files whose first line is a python shebang). vermin fails on anything newer (datetime.UTC, tomllib, ...).
+NODE_PYTHON = $(shell find library roles/*/library roles/*/files -type f -name '*.py'; \
   find roles/*/files -type f ! -name '*.py' -exec grep -l -m1 -e '^.!.*python' {} +)
 
 lint: setup           ## ansible-lint (production), yamllint, ruff, vermin (node-side Python 3.10)
