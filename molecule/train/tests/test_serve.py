@@ -81,8 +81,10 @@ try:
         data = json.load(answer)
     with urllib.request.urlopen(listing, timeout=float(sys.argv[3])) as models:
         names = [m["id"] for m in json.load(models)["data"]]
+    choice = data["choices"][0]
     print(json.dumps({"status": answer.status, "model": names[0],
-                      "content": data["choices"][0]["message"]["content"]}))
+                      "role": choice["message"]["role"], "finish": choice["finish_reason"],
+                      "tokens": data["usage"]["completion_tokens"]}))
 except urllib.error.HTTPError as err:
     print(json.dumps({"status": err.code}))
 except OSError as err:
@@ -207,12 +209,16 @@ def test_the_runs_adapter_is_served_to_the_cluster_and_refused_to_an_outsider() 
     said = _said(done.stdout)
     assert f"Serving run {run_id}'s LoRA adapter" in said
     assert f"URL: http://{_address(NODES[0])}:{SERVE_PORT}/v1" in said
-    assert re.search(r"Answer: \S", said), said[-2000:]
+    # The tiny model's sampled answer may be its end-of-text token alone: an empty text.
+    assert "Answer:" in said, said[-2000:]
     assert API_KEY not in done.stdout
     # From the controller, as a client would (the play did the same), and with the wrong key.
     answer = _ask("controller")
     assert (answer["status"], answer["model"]) == (200, run_id), answer
-    assert answer["content"]
+    # A generated answer (its tokens counted, the end token included), whatever its text.
+    assert answer["role"] == "assistant", answer
+    assert answer["tokens"] >= 1, answer
+    assert answer["finish"] in {"stop", "length"}, answer
     assert _ask("controller", key="wrong")["status"] == 401
     # A cluster node is a configured source; a container of the same network is not.
     assert _ask(NODES[1])["status"] == 200
