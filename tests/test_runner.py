@@ -7,6 +7,7 @@ written here for the behaviour under test). The tests marked `lab` drive the lab
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -455,11 +456,12 @@ def test_cli_exits_0_1_and_3_and_reports_json(tmp_path: Path, local_inventory: P
 
 
 def test_cli_ctrl_c_exits_130(tmp_path: Path, local_inventory: Path):
+    sleep = f"sleep {os.getpid() % 1000 + 1000}.25"  # this test's own, to find it and to end it
     playbook = write_playbook(
         tmp_path,
         "slow.yml",
         "- name: Slow\n  hosts: cluster\n  gather_facts: false\n  tasks:\n"
-        "    - name: Wait\n      ansible.builtin.command: sleep 977.5\n"
+        f"    - name: Wait\n      ansible.builtin.command: {sleep}\n"
         "      changed_when: false\n",
     )
     proc = subprocess.Popen(
@@ -478,9 +480,18 @@ def test_cli_ctrl_c_exits_130(tmp_path: Path, local_inventory: Path):
         stderr=subprocess.STDOUT,
         text=True,
     )
-    time.sleep(4)
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=60)
+    try:
+        # Interrupt once the play runs its task, however long start-up takes on a busy machine.
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            found = subprocess.run(["pgrep", "-f", sleep], capture_output=True, check=False)
+            if found.returncode == 0:
+                break
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        subprocess.run(["pkill", "-f", sleep], check=False)
     assert proc.returncode == EXIT_INTERRUPTED, out
     assert "INTERRUPTED" in out
 
