@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -386,8 +387,22 @@ class Cluster:
         return candidate if candidate and candidate.is_dir() else None
 
     def _wait(self, thread: threading.Thread, artifact_dir: Path, *, shield: bool) -> None:
-        # Poll rather than join(timeout): a KeyboardInterrupt inside join() marks a live thread
-        # as finished on Python 3.11 (its tstate lock is released), sleep() is safe to interrupt.
+        # Ctrl-C is counted by a signal handler rather than raised as KeyboardInterrupt: raised
+        # inside thread.is_alive() (or join()), it marks the live runner thread as finished on
+        # Python 3.11, and the run's result would be read while ansible-playbook still runs.
+        pressed: list[int] = []
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+        try:
+            self._follow(thread, artifact_dir, pressed, shield=shield)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+
+    def _follow(
+        self, thread: threading.Thread, artifact_dir: Path, pressed: list[int], *, shield: bool
+    ) -> None:
         interrupts = 0
         touched = time.monotonic()
         while thread.is_alive():
@@ -399,7 +414,9 @@ class Cluster:
                 touched = time.monotonic()
             try:
                 time.sleep(0.2)
-            except KeyboardInterrupt:
+            except KeyboardInterrupt:  # a handler of the caller's that raises it
+                pressed.append(signal.SIGINT)
+            while len(pressed) > interrupts:
                 interrupts += 1
                 if not shield or interrupts >= SHIELD_INTERRUPTS:
                     self.cancel()
