@@ -8,7 +8,8 @@ status.yml publishes (set_stats, key STATUS_STAT) one mapping per run:
            eta_s: 95, failed_node: null, exit_status: null, nodes: {node1: running, ...}}
 
 with `state` one of results.RUN_STATES; a single run's mapping (without `runs`) is read as one
-run. FIELDS maps each RunStatus field to the key status.yml uses for it. Until status.yml
+run, and roles/job's own shape of a run (`phase`, `progress`, `nodes`: from_job_outcome) too.
+FIELDS maps each RunStatus field to the key status.yml uses for it. Until status.yml
 publishes it, runs_from_events() reads the same from the results of its tasks.
 """
 
@@ -52,6 +53,41 @@ def parse_status(data: Mapping[str, Any], events: Iterable[Event]) -> tuple[RunS
     return runs_from_events(events)
 
 
+# llama-job's phases (roles/job/README.md) as RunStatus states.
+PHASE_STATES = {
+    "starting": "starting",
+    "waiting": "starting",
+    "running": "running",
+    "stopping": "running",
+    "restarting": "restarting",
+    "succeeded": "succeeded",
+    "failed": "failed",
+    "stopped": "stopped",
+}
+
+
+def from_job_outcome(item: Mapping[str, Any]) -> dict[str, Any]:
+    """One run as FIELDS names it, from roles/job's status of a run (its `job_outcome` shape:
+    phase, node, exit_status, progress as LLaMA-Factory's trainer log writes it, nodes)."""
+    progress = item.get("progress") if isinstance(item.get("progress"), Mapping) else {}
+    nodes = item.get("nodes") if isinstance(item.get("nodes"), Mapping) else {}
+    reason = item.get("reason") if isinstance(item.get("reason"), Mapping) else {}
+    return {
+        "run_id": item.get("run_id"),
+        "state": PHASE_STATES.get(str(item.get("phase") or ""), "stopped"),
+        "step": progress.get("current_steps"),
+        "total_steps": progress.get("total_steps"),
+        "loss": progress.get("loss"),
+        "eta_s": progress.get("remaining_time"),
+        "failed_node": item.get("node") or reason.get("node"),
+        "exit_status": item.get("exit_status"),
+        "nodes": {
+            host: (node.get("phase") if isinstance(node, Mapping) else node)
+            for host, node in nodes.items()
+        },
+    }
+
+
 def runs_from_stats(published: object) -> tuple[RunStatus, ...]:
     """RunStatus for each run in status.yml's set_stats mapping (see the module's docstring)."""
     if isinstance(published, Mapping) and "runs" in published:
@@ -61,7 +97,9 @@ def runs_from_stats(published: object) -> tuple[RunStatus, ...]:
     for item in items:
         if not isinstance(item, Mapping):
             continue
-        value = {name: item.get(key) for name, key in FIELDS.items()}
+        own = "phase" in item and "state" not in item  # roles/job's own shape of a run
+        fields = from_job_outcome(item) if own else item
+        value = {name: fields.get(key) for name, key in FIELDS.items()}
         state = str(value["state"] or "")
         runs.append(
             RunStatus(

@@ -713,3 +713,25 @@ def test_lab_detached_run_is_followed_by_status_and_attach(provisioned: Cluster)
     status = cli("--json", "status", "--run-id", run_id, timeout=300)
     assert status.returncode == EXIT_OK, status.stderr[-3000:]
     assert '"state": "succeeded"' in status.stdout
+
+
+def test_status_reads_the_job_shape_that_status_yml_publishes():
+    published = {
+        "run_id": "train-1-tiny",
+        "phase": "failed",
+        "node": "node2",
+        "exit_status": -9,
+        "progress": {
+            "current_steps": 30,
+            "total_steps": 100,
+            "loss": 1.5,
+            "remaining_time": "0:01:35",
+        },
+        "nodes": {"node1": {"phase": "stopped"}, "node2": {"phase": "failed"}},
+    }
+    (run,) = parse_status({"llama_status": published}, [])
+    assert (run.run_id, run.state, run.step, run.total_steps) == ("train-1-tiny", "failed", 30, 100)
+    assert (run.loss, run.eta_s, run.failed_node, run.exit_status) == (1.5, 95.0, "node2", -9)
+    assert run.nodes == {"node1": "stopped", "node2": "failed"}
+    (waiting,) = parse_status({"llama_status": {"run_id": "r", "phase": "waiting"}}, [])
+    assert waiting.state == "starting"
