@@ -297,3 +297,95 @@ def test_an_unreachable_modelscope_fails_on_the_controller_naming_endpoint_and_m
     ), out[-2000:]
     assert "Check modelscope_endpoint" in out
     assert "Train | Prepare every node" not in out, "a node was contacted"
+
+
+def _local_nodes(tmp_path: Path) -> Path:
+    """Two local-connection nodes: nothing leaves this machine."""
+    inventory = tmp_path / "inventory.yml"
+    node = json.dumps(
+        {
+            "ansible_connection": "local",
+            "ansible_python_interpreter": sys.executable,
+            "cluster_accelerator": "cpu",
+            "nproc_per_node": 1,
+        }
+    )
+    inventory.write_text(
+        "all:\n  children:\n    cluster:\n      children:\n"
+        f"        master:\n          hosts:\n            a: {node}\n"
+        f"        workers:\n          hosts:\n            b: {node}\n"
+    )
+    return inventory
+
+
+def _without_rsync(tmp_path: Path) -> str:
+    """A PATH with every tool of /usr/bin but rsync."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in Path("/usr/bin").iterdir():
+        if tool.name != "rsync":
+            (bin_dir / tool.name).symlink_to(tool)
+    return str(bin_dir)
+
+
+def test_a_node_without_rsync_is_named_before_the_model_is_copied(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    dest = tmp_path / "dest"
+    done = subprocess.run(
+        [
+            str(ANSIBLE_PLAYBOOK),
+            "-i",
+            str(_local_nodes(tmp_path)),
+            "tests/playbooks/stage_model.yml",
+            "-e",
+            f"node_path={_without_rsync(tmp_path)}",
+            "-e",
+            f"model_source={model}",
+            "-e",
+            f"model_dest={dest}",
+            "-e",
+            f"hub_cache_dir={tmp_path / 'hub'}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+        env={"ANSIBLE_NOCOLOR": "1", "PATH": os.environ["PATH"], "HOME": str(tmp_path)},
+    )
+    out = " ".join((done.stdout + done.stderr).split())
+    assert done.returncode != 0
+    assert "copied from the controller with rsync, which a, b lacks" in out, out[-2000:]
+    assert "-e model_shared=true" in out
+    assert not (tmp_path / "hub").exists(), "a node was written to before the check"
+    assert not dest.exists()
+
+
+def test_a_controller_without_rsync_stops_train_yml_before_any_node(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_size": 64}))
+    done = subprocess.run(
+        [
+            str(ANSIBLE_PLAYBOOK),
+            "-i",
+            str(_local_nodes(tmp_path)),
+            "train.yml",
+            "-e",
+            "model=mine",
+            "-e",
+            f"model_path={model}",
+            "-e",
+            "model_template=qwen",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+        env={"ANSIBLE_NOCOLOR": "1", "PATH": _without_rsync(tmp_path), "HOME": str(tmp_path)},
+    )
+    out = " ".join((done.stdout + done.stderr).split())
+    assert done.returncode != 0
+    assert "with rsync, which the controller lacks" in out, out[-2000:]
+    assert "Train | Prepare every node" not in out, "a node was contacted"

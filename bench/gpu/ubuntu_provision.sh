@@ -90,7 +90,29 @@ for step in $steps; do
       run check playbook playbooks/check.yml -e '{"preflight_checks": ["consistency", "collective"]}'
       ;;
     train)
-      run train playbook train.yml -e model=tiny -e '{"train_args": {"max_steps": 20, "logging_steps": 5}}'
+      tiny=(-e model=tiny)
+      if ! command -v rsync >/dev/null; then
+        # The tiny model is a directory of the controller, copied to the nodes with rsync, which
+        # this image lacks (provision.yml installs it where apt can): train.yml must refuse that
+        # before touching the node, naming rsync; then the run follows its advice, the model at
+        # the same path on the node (this one-node cluster is its own controller) and
+        # -e model_shared=true.
+        before=$status
+        run train-norsync playbook train.yml -e model=tiny
+        status=$before
+        if grep -q "with rsync, which the controller lacks" "$work/train-norsync.log" \
+          && ! grep -q "Train | Prepare every node" "$work/train-norsync.log"; then
+          say "train-norsync: refused before any node task, naming rsync (as it should)"
+        else
+          say "train-norsync: not the refusal expected"
+          status=1
+        fi
+        shared=/opt/llama-cluster/models/tiny-shared
+        rm -rf "$shared" && cp -r "$LLAMA_CLUSTER_CACHE/models/tiny" "$shared" && chmod -R a+rX "$shared"
+        tiny=(-e model=tiny-shared -e "model_path=$shared" -e model_shared=true -e model_template=qwen
+              -e finetuning_type=lora -e lora_target=all -e cutoff_len=128)
+      fi
+      run train playbook train.yml "${tiny[@]}" -e '{"train_args": {"max_steps": 20, "logging_steps": 5}}'
       latest=$(ls -1t /opt/llama-cluster/runs 2>/dev/null | grep '^train-' | head -1)
       [[ -n $latest ]] && cp "/opt/llama-cluster/runs/$latest/output/trainer_log.jsonl" "$work/trainer_log.jsonl" 2>/dev/null
       ;;
