@@ -545,7 +545,9 @@ def product_command(
     extra["train_args"] = {**train_args, **ctx.extra_vars.get("train_args", {})}
     model_dir = ctx.models / ctx.mode.sizes[goal.size]
     cmd = [ctx.playbook, "-i", str(ctx.inventory(nodes)), "train.yml"]
-    cmd += ["-e", f"model={goal.model}", "-e", f"model_path={model_dir}"]
+    # Every logical node is this machine: the generated weights are where the nodes read them
+    # (shared storage), not copied into each node's models directory.
+    cmd += ["-e", f"model={goal.model}", "-e", f"model_path={model_dir}", "-e", "model_shared=true"]
     cmd += ["-e", f"dataset_file={ctx.data}", "-e", "dataset_format=alpaca"]
     cmd += ["-e", f"finetuning_type={goal.finetuning}", "-e", f"detach={str(not steps).lower()}"]
     if deepspeed:
