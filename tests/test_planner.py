@@ -492,6 +492,27 @@ def test_torch_compile_is_on_for_a_long_h200_run_and_off_for_a_short_one() -> No
     assert "fewer than the 3000" in short["decisions"]["torch_compile"]
 
 
+@pytest.mark.parametrize(
+    ("model", "finetuning"), [("qwen2.5-1.5b", "full"), ("qwen2.5-7b", "lora")]
+)
+def test_h200_plans_of_a_5_epoch_run_are_what_benchmarks_3_1_measured(
+    model: str, finetuning: str
+) -> None:
+    # BENCHMARKS.md 3.1: 12000 records, num_train_epochs 5, the default cutoff and tokens per
+    # step; train.yml rendered 4 packed rows of 2048 x 1, no checkpointing, plain DDP, compiled.
+    plan = make_plan(
+        model, finetuning_type=finetuning, dataset_records=12000, train_args={"num_train_epochs": 5}
+    )
+    args = plan["train_args"]
+    assert plan["deepspeed"] == "none"
+    assert plan["model"]["cutoff_len"] == 2048
+    assert (args["per_device_train_batch_size"], args["gradient_accumulation_steps"]) == (4, 1)
+    assert args["packing"] is True
+    assert args["disable_gradient_checkpointing"] is True
+    assert args["torch_compile"] is True
+    assert plan["decisions"]["estimated_steps"] == "3750"
+
+
 def test_24gb_plans_for_the_benchmarked_models() -> None:
     full = make_plan(
         "qwen2.5-1.5b",
