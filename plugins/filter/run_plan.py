@@ -1185,6 +1185,20 @@ def dataset_info(datasets: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     }
 
 
+def run_files(texts: Mapping[str, str], run_dir: str) -> list[dict[str, Any]]:
+    """The run directory's files for library/llama_files.py: {name: text} -> entries, without
+    the empty texts (a configuration the run does not use); a .json file is checked as JSON."""
+    return [
+        {
+            "path": f"{run_dir}/{name}",
+            "content": text if text.endswith("\n") else text + "\n",
+            "json": name.endswith(".json"),
+        }
+        for name, text in texts.items()
+        if text
+    ]
+
+
 class FilterModule:
     """The run planner's filters."""
 
@@ -1202,5 +1216,6 @@ class FilterModule:
             "run_config_plan": plan,
             "run_config_train_yaml": train_yaml,
             "run_config_dataset_info": dataset_info,
+            "run_config_files": run_files,
             "model_params": model_params,
         }
