@@ -186,8 +186,8 @@ def main() -> None:
         done = subprocess.run(argv, capture_output=True, text=True, check=False)
     except OSError as err:
         module.fail_json(
-            msg=f"cannot run {params['bin']} ({err}): install it with provision.yml "
-            "(role job_supervisor)"
+            msg=f"cannot run {params['bin']} on this node ({err}): jobs run under llama-job, "
+            "which provisioning installs (ansible-playbook provision.yml, or --tags job_supervisor)"
         )
     try:
         result = json.loads(done.stdout.strip().splitlines()[-1]) if done.stdout.strip() else {}
