@@ -328,34 +328,37 @@ def _without_rsync(tmp_path: Path) -> str:
     return str(bin_dir)
 
 
-def test_a_node_without_rsync_is_named_before_the_model_is_copied(tmp_path: Path) -> None:
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    dest = tmp_path / "dest"
+def _run_without_rsync(tmp_path: Path, playbook: str, *extra: str, path: str) -> str:
+    """ansible-playbook on the two local nodes; its output on one line (it must fail)."""
     done = subprocess.run(
-        [
-            str(ANSIBLE_PLAYBOOK),
-            "-i",
-            str(_local_nodes(tmp_path)),
-            "tests/playbooks/stage_model.yml",
-            "-e",
-            f"node_path={_without_rsync(tmp_path)}",
-            "-e",
-            f"model_source={model}",
-            "-e",
-            f"model_dest={dest}",
-            "-e",
-            f"hub_cache_dir={tmp_path / 'hub'}",
-        ],
+        [str(ANSIBLE_PLAYBOOK), "-i", str(_local_nodes(tmp_path)), playbook, *extra],
         cwd=ROOT,
         capture_output=True,
         text=True,
         check=False,
-        env={"ANSIBLE_NOCOLOR": "1", "PATH": os.environ["PATH"], "HOME": str(tmp_path)},
+        env={"ANSIBLE_NOCOLOR": "1", "PATH": path, "HOME": str(tmp_path)},
     )
-    out = " ".join((done.stdout + done.stderr).split())
     assert done.returncode != 0
+    return " ".join((done.stdout + done.stderr).split())
+
+
+def _model(tmp_path: Path) -> Path:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_size": 64}))
+    return model
+
+
+def test_a_node_without_rsync_is_named_before_the_model_is_copied(tmp_path: Path) -> None:
+    dest = tmp_path / "dest"
+    extra = [f"node_path={_without_rsync(tmp_path)}", f"model_source={_model(tmp_path)}"]
+    extra += [f"model_dest={dest}", f"hub_cache_dir={tmp_path / 'hub'}"]
+    out = _run_without_rsync(
+        tmp_path,
+        "tests/playbooks/stage_model.yml",
+        *(arg for value in extra for arg in ("-e", value)),
+        path=os.environ["PATH"],
+    )
     assert "copied from the controller with rsync, which a, b lacks" in out, out[-2000:]
     assert "-e model_shared=true" in out
     assert not (tmp_path / "hub").exists(), "a node was written to before the check"
@@ -363,29 +366,12 @@ def test_a_node_without_rsync_is_named_before_the_model_is_copied(tmp_path: Path
 
 
 def test_a_controller_without_rsync_stops_train_yml_before_any_node(tmp_path: Path) -> None:
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_size": 64}))
-    done = subprocess.run(
-        [
-            str(ANSIBLE_PLAYBOOK),
-            "-i",
-            str(_local_nodes(tmp_path)),
-            "train.yml",
-            "-e",
-            "model=mine",
-            "-e",
-            f"model_path={model}",
-            "-e",
-            "model_template=qwen",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-        env={"ANSIBLE_NOCOLOR": "1", "PATH": _without_rsync(tmp_path), "HOME": str(tmp_path)},
+    request = ["model=mine", f"model_path={_model(tmp_path)}", "model_template=qwen"]
+    out = _run_without_rsync(
+        tmp_path,
+        "train.yml",
+        *(arg for value in request for arg in ("-e", value)),
+        path=_without_rsync(tmp_path),
     )
-    out = " ".join((done.stdout + done.stderr).split())
-    assert done.returncode != 0
     assert "with rsync, which the controller lacks" in out, out[-2000:]
     assert "Train | Prepare every node" not in out, "a node was contacted"
