@@ -24,7 +24,7 @@ ansible_playbook=.venv/bin/ansible-playbook
 export ANSIBLE_CALLBACK_PLUGINS=$PWD/bench/callback ANSIBLE_CALLBACKS_ENABLED=host_times
 export ANSIBLE_STDOUT_CALLBACK=ansible.builtin.default ANSIBLE_NOCOLOR=1
 
-lab() { ANSIBLE_CALLBACKS_ENABLED= "$ansible_playbook" playbooks/lab.yml -e lab_cluster_name="$LAB" "$@" >>"$RESULTS/lab.log" 2>&1; }
+lab() { env -u ANSIBLE_CALLBACKS_ENABLED "$ansible_playbook" playbooks/lab.yml -e lab_cluster_name="$LAB" "$@" >>"$RESULTS/lab.log" 2>&1; }
 cleanup() { [[ ${KEEP:-0} == 1 ]] || lab -e lab_state=absent || true; }
 trap cleanup EXIT
 
