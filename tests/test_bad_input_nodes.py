@@ -4,27 +4,12 @@ on real nodes)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
 import pytest
+from sources import load
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load(path: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(Path(path).stem, ROOT / path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-preflight = _load("roles/preflight/filter_plugins/preflight.py")
-checkpoints = _load("roles/run_config/filter_plugins/checkpoints.py")
-datasets = _load("roles/run_config/filter_plugins/datasets.py")
+preflight = load("roles/preflight/filter_plugins/preflight.py")
+checkpoints = load("roles/run_config/filter_plugins/checkpoints.py")
+datasets = load("roles/run_config/filter_plugins/datasets.py")
 
 
 def _gpus(*indexes: int) -> dict:

@@ -6,25 +6,10 @@ against real ufw in every provision of the lab and of molecule's scenarios.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
 import pytest
+from sources import load
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "llama_ufw", ROOT / "roles/firewall/library/llama_ufw.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-ufw = _load()
+ufw = load("roles/firewall/library/llama_ufw.py")
 
 NODES = ["172.18.0.2", "172.18.0.3"]
 RULES = ufw.expand(

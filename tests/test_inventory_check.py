@@ -8,7 +8,6 @@ message asserted here, and the recap would list the node.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
@@ -16,12 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from sources import load
 
 ROOT = Path(__file__).resolve().parents[1]
 ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
-SPEC = importlib.util.spec_from_file_location("cluster", ROOT / "plugins/filter/cluster.py")
-cluster = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(cluster)
+cluster = load("plugins/filter/cluster.py")
 
 GHOST = "ansible_host=127.0.0.1 ansible_port=9"
 

@@ -3,11 +3,12 @@ run_config_files filter that feeds it the run directory's texts."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+from sources import load
 
 ROOT = Path(__file__).resolve().parents[1]
 ANSIBLE = Path(sys.executable).with_name("ansible")
@@ -69,10 +70,7 @@ def test_bad_json_or_a_relative_path_is_refused_before_anything_is_written(tmp_p
 
 
 def test_run_config_files_skips_unused_configurations_and_ends_texts_with_a_newline() -> None:
-    spec = importlib.util.spec_from_file_location("run_plan", ROOT / "plugins/filter/run_plan.py")
-    run_plan = importlib.util.module_from_spec(spec)
-    sys.modules["run_plan"] = run_plan  # its dataclasses look their module up
-    spec.loader.exec_module(run_plan)
+    run_plan = load("plugins/filter/run_plan.py")
     files = run_plan.run_files(
         {"train.yaml": "a: 1", "ds_config.json": "", "plan.json": "{}\n"}, "/r"
     )

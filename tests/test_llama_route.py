@@ -3,7 +3,6 @@ that lack it)."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import socket
 import subprocess
@@ -12,19 +11,13 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from sources import load
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "llama_route", ROOT / "library" / "llama_route.py"
-    )
-    assert spec
-    assert spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("library/llama_route.py")
 
 
 def _own_address() -> str:

@@ -3,13 +3,13 @@ by scripts/lock-node-env.py, and agreeing on the packages every node must share.
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import yaml
+from sources import load
 
 PROJECT = Path(__file__).resolve().parents[1]
 SCRIPT = PROJECT / "scripts/lock-node-env.py"
@@ -29,14 +29,7 @@ SHARED = (
 )
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("lock_node_env", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-lock = load_script()
+lock = load(SCRIPT, "lock_node_env")
 INPUTS = lock.load_inputs()
 
 

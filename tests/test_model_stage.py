@@ -8,16 +8,15 @@ molecule/train/tests/test_models.py.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import struct
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from sources import load
 
 ROOT = Path(__file__).resolve().parents[1]
 ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
@@ -27,15 +26,8 @@ TRAIN_PYTHON = Path(
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
-def _load(name: str, path: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, ROOT / path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-stage = _load("model_stage_filters", "roles/model_stage/filter_plugins/model_stage.py")
-progress = _load("llama_model_progress", "roles/model_stage/library/llama_model_progress.py")
+stage = load("roles/model_stage/filter_plugins/model_stage.py")
+progress = load("roles/model_stage/library/llama_model_progress.py")
 
 SETTINGS = {
     "hub": "huggingface",

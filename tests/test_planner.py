@@ -6,30 +6,21 @@ tests check what train.yml plans today; the playbook path is in tests/test_train
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from sources import load
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load(name: str, path: Path) -> Any:
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-rp = _load("run_plan", ROOT / "plugins/filter/run_plan.py")
-bench = _load("bench_lf", ROOT / "bench/bench_lf.py")
+rp = load("plugins/filter/run_plan.py")
+bench = load("bench/bench_lf.py")
 
 CATALOGUE = yaml.safe_load((ROOT / "group_vars/all/models.yml").read_text())["models_catalogue"]
 TRAINING = yaml.safe_load((ROOT / "group_vars/all/training.yml").read_text())

@@ -9,7 +9,6 @@ check mode; the roles' plan/validate tasks are read-only.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from sources import load
 
 PROJECT = Path(__file__).resolve().parents[1]
 ANSIBLE_PLAYBOOK = str(Path(sys.executable).with_name("ansible-playbook"))
@@ -441,16 +441,7 @@ def test_gpu_probe_finds_nvidia_gpus_on_the_pci_bus_without_a_driver(tmp_path: P
 # The installer's command line and the overlay's package list (plugins/filter/python_env.py).
 
 
-def load_filters():
-    spec = importlib.util.spec_from_file_location(
-        "python_env_filters", PROJECT / "plugins/filter/python_env.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-env_filters = load_filters()
+env_filters = load("plugins/filter/python_env.py")
 
 
 def test_install_argv_from_the_wheelhouse_is_offline_under_the_lock_for_uv_and_pip():

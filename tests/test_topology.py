@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 from ansible.errors import AnsibleFilterError
+from sources import load
 
-spec = importlib.util.spec_from_file_location(
-    "cluster_filters", Path(__file__).resolve().parents[1] / "plugins/filter/cluster.py"
-)
-cluster = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(cluster)
+cluster = load("plugins/filter/cluster.py")
 
 
 def groups(master: list[str], workers: list[str]) -> dict[str, list[str]]:

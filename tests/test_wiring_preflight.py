@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import yaml
+from sources import load
 
 ROOT = Path(__file__).resolve().parents[1]
-SPEC = importlib.util.spec_from_file_location(
-    "preflight_filters", ROOT / "roles/preflight/filter_plugins/preflight.py"
-)
-assert SPEC is not None
-assert SPEC.loader is not None
-preflight = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(preflight)
+preflight = load("roles/preflight/filter_plugins/preflight.py")
 
 KEYS = yaml.safe_load((ROOT / "roles/preflight/defaults/main.yml").read_text())[
     "preflight_consistency_keys"
