@@ -31,10 +31,14 @@ NODES = (f"{PREFIX}-train-node1", f"{PREFIX}-train-node2")
 MASTER, WORKER = NODES
 RUNS = "/opt/llama-cluster/runs"
 LLAMA_JOB = "/usr/local/sbin/llama-job"
-# A run long enough to be broken mid-way (faults come at step 12): 28 samples / (2 per device x
-# 2 ranks) = 7 steps per epoch, 70 steps, a checkpoint every 5.
-LONG_RUN = {"train_args": {"num_train_epochs": 10, "save_steps": 5}}
+# A run long enough to be broken mid-way: 28 samples / (2 per device x 2 ranks) = 7 steps per
+# epoch, 140 steps, a checkpoint every 5. A rank is killed right after checkpoint-10 is saved on
+# its node; the other faults come once rank 0 has logged step 12. The tiny run takes 10-20 s
+# from there to its end on the 2-core CI machine, so every fault finds it still running.
+LONG_RUN = {"train_args": {"num_train_epochs": 20, "save_steps": 5}}
+LONG_RUN_STEPS = 140
 FAULT_STEP = 12
+FAULT_CHECKPOINT = 10
 # The bounds, from the fault to every rank stopped on every node still up.
 RANK_DIES_S = 30
 NODE_KILLED_S = 60
@@ -191,11 +195,29 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _kill_training_process(node: str) -> float:
-    pids = _training_pids(node)
-    assert pids, f"no training process on {node}"
-    _node(node, f"kill -9 {pids[0]}")
-    return time.monotonic()
+def _kill_training_process(node: str, run_id: str, checkpoint: int = FAULT_CHECKPOINT) -> float:
+    """SIGKILL one of `node`'s ranks as soon as `checkpoint` is saved on that node; the moment of
+    the kill, on this machine's monotonic clock.
+
+    The wait and the kill are one shell on the node, so no round trip from here lies between
+    them. Containers share this machine's clock: the node's `date` at the kill is our time."""
+    saved = f"{RUNS}/{run_id}/output/checkpoint-{checkpoint}/trainer_state.json"
+    script = (
+        f"i=0; until [ -f {saved} ]; do i=$((i + 1)); [ $i -gt 3000 ] && exit 3; sleep 0.1; done; "
+        # [l] keeps this shell's own command line out of the match.
+        "set -- $(ps -eo pid=,args= | grep '[l]auncher[.]py' | grep -v torchrun); "
+        '[ -n "$1" ] || exit 4; kill -9 "$1" && date +%s.%N'
+    )
+    done = subprocess.run(
+        ["docker", "exec", node, "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=360,
+    )
+    reasons = {3: f"{saved} did not appear within 300 s", 4: "no training process was left"}
+    assert done.returncode == 0, f"no kill on {node}: {reasons.get(done.returncode, done.stderr)}"
+    return time.monotonic() - (time.time() - float(done.stdout.split()[-1]))
 
 
 def _jobs(node: str, *args: str) -> dict:
@@ -293,11 +315,11 @@ def test_second_run_keeps_the_first_runs_output() -> None:
 # Faults the cluster stops by itself
 # ---------------------------------------------------------------------------------------------
 def _fault_run(kill: str, name: str) -> tuple[subprocess.CompletedProcess, str, float]:
-    """Start a watched long run, kill `kill`'s training process at step 12, time the stop."""
+    """A watched long run; `kill`'s training process killed after checkpoint-10; the stop timed."""
     before = _runs()
     play = Play("train.yml", "-e", "model=tiny", "-e", json.dumps(LONG_RUN))
-    run_id = _wait_for_new_run(play, before)
-    killed_at = _kill_training_process(kill)
+    run_id = _wait_for_new_run(play, before, step=1)
+    killed_at = _kill_training_process(kill, run_id)
     elapsed = _time_until_stopped(killed_at, NODES, RANK_DIES_S)
     done = play.wait(timeout=300)
     _record(name, elapsed, RANK_DIES_S)
@@ -356,12 +378,12 @@ def test_a_detached_run_heals_itself_and_attach_follows_it_to_its_end() -> None:
     )  # fmt: skip
     assert started.returncode == 0, started.stdout[-4000:]
     assert "restarts it up to 1 time(s)" in _said(started.stdout)
-    run_id = _wait_for_new_run(None, before)
-    _kill_training_process(WORKER)
+    run_id = _wait_for_new_run(None, before, step=1)
+    _kill_training_process(WORKER, run_id)
     attached = _playbook("playbooks/attach.yml", "-e", f"run_id={run_id}")
     said = _said(attached.stdout)
     assert attached.returncode == 0, attached.stdout[-5000:]
-    assert re.search(r"\] step \d+/70", attached.stdout), "attach showed no progress line"
+    assert re.search(rf"\] step \d+/{LONG_RUN_STEPS}", attached.stdout), "attach showed no progress"
     assert f"Run {run_id} finished" in said
     assert "final loss" in said
     assert "Restarts: 1 of 1" in said, said[-3000:]
@@ -370,13 +392,25 @@ def test_a_detached_run_heals_itself_and_attach_follows_it_to_its_end() -> None:
         for x in (ROOT / "runs" / run_id / "trainer_log.jsonl").read_text().splitlines()
         if x.strip()
     ]
-    steps = [r["current_steps"] for r in records]
-    back = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
-    assert steps[back] % 5 == 1, f"attempt 2 began at step {steps[back]}, not after a checkpoint"
-    assert steps[back] <= steps[back - 1] < steps[back] + 5
-    assert steps[-1] == records[-1]["total_steps"]
     log = _node(MASTER, f"cat {RUNS}/{run_id}/logs/{MASTER}.log")
     assert "restart 1 of 1: attempt 2" in log
+    resumed = re.search(
+        r"Resuming training from checkpoint with epoch \d+ and global step (\d+)", log
+    )
+    assert resumed, "attempt 2 did not resume from a checkpoint"
+    checkpoint = int(resumed.group(1))
+    assert checkpoint >= FAULT_CHECKPOINT, f"attempt 2 resumed from step {checkpoint}"
+    assert checkpoint % 5 == 0, f"attempt 2 resumed from step {checkpoint}, not a checkpoint's"
+    # trainer_log.jsonl: attempt 1 from step 1 to where it was killed (the checkpoint or a few
+    # steps past it), then attempt 2 from the step after the checkpoint to the end.
+    steps = [r["current_steps"] for r in records]
+    total = records[-1]["total_steps"]
+    second = len(steps) - 1 - steps[::-1].index(checkpoint + 1)
+    assert steps[:second] == list(range(1, second + 1)), "attempt 1's steps are not 1, 2, ..."
+    assert second >= checkpoint, f"attempt 1 was killed at step {second}, before its checkpoint"
+    tail = steps[second:]
+    assert tail == sorted(tail), f"attempt 2's steps go back: {tail}"
+    assert sorted(set(tail)) == list(range(checkpoint + 1, total + 1)), tail
     status = _playbook("playbooks/status.yml", "-e", f"run_id={run_id}")
     assert f"Run {run_id}: succeeded" in _said(status.stdout), status.stdout[-3000:]
     assert "restart to attempt 2" in _said(status.stdout)
@@ -444,7 +478,7 @@ def test_with_nobody_watching_and_no_systemd_a_dying_worker_still_stops_every_ra
             os.kill(pid, signal.SIGKILL)
     time.sleep(2)  # nobody is watching now
     assert _training_pids(MASTER), "the run did not survive its play"
-    killed_at = _kill_training_process(WORKER)
+    killed_at = _kill_training_process(WORKER, run_id)
     elapsed = _time_until_stopped(killed_at, NODES, RANK_DIES_S)
     _record("controller killed, then the worker's training process", elapsed, RANK_DIES_S)
     log = _node(MASTER, f"cat {RUNS}/{run_id}/logs/{MASTER}.log")
