@@ -40,10 +40,11 @@ train: setup
 demo: host            ## set up, start the lab, provision it, train the tiny model on 2 nodes (timed)
 	@NODES=$(NODES) LAB_NAME=$(LAB_NAME) scripts/demo.sh
 
-# Code that runs on the nodes must run on Python 3.10 (Ubuntu 22.04's python3): the modules in
-# library/ and roles/*/library, and every Python file the roles run or install there
+# Code that runs on the nodes must run on Python 3.10 (Ubuntu 22.04's python3): the collection's
+# modules and module_utils, and every Python file the roles run or install there
 # (roles/*/files: *.py, and files whose first line is a python shebang). vermin fails on anything newer (datetime.UTC, tomllib, ...).
-NODE_PYTHON = $(shell find library roles/*/library roles/*/files -type f -name '*.py'; \
+PLUGINS := collections/ansible_collections/llama/cluster/plugins
+NODE_PYTHON = $(shell find $(PLUGINS)/modules $(PLUGINS)/module_utils roles/*/files -type f -name '*.py'; \
   find roles/*/files -type f ! -name '*.py' -exec grep -l -m1 -e '^.!.*python' {} +)
 
 lint: setup           ## ansible-lint (production), yamllint, ruff, vermin (node-side Python 3.10)

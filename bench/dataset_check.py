@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Time and peak memory of the dataset check (library/llama_dataset_check.py) on a large file.
+"""Time and peak memory of the dataset check (the llama_dataset_check module) on a large file.
 
 Writes a sharegpt file of about --gib GiB (a JSON list, or JSON Lines with --jsonl), with one bad
 record in 100,000, then checks it in a child process, as the Ansible module runs, and prints the

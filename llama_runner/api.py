@@ -35,6 +35,11 @@ PROJECT_DIR = Path(__file__).resolve().parents[1]
 DEFAULT_INVENTORY = PROJECT_DIR / "inventory" / "lab.yml"
 DEFAULT_PRIVATE_DATA_DIR = PROJECT_DIR / ".runner"
 DEFAULT_KEEP_ARTIFACTS = 20
+# The progress line of a training job (stdout callback), in the project's collection.
+PROGRESS_CALLBACK = "llama.cluster.llama_progress"
+PROGRESS_CALLBACK_FILE = (
+    "collections/ansible_collections/llama/cluster/plugins/callback/llama_progress.py"
+)
 # Ctrl-C presses that abandon the stop which follows an interrupted training run.
 SHIELD_INTERRUPTS = 3
 # Seconds between two looks at a run that attach() follows (the job watcher's report_every).
@@ -473,19 +478,15 @@ class Cluster:
         if "ANSIBLE_HOST_KEY_CHECKING" not in os.environ:
             env["ANSIBLE_HOST_KEY_CHECKING"] = str(self._cfg_bool("defaults", "host_key_checking"))
         # ansible-runner replaces the stdout callback; keep the project's inside it (progress
-        # lines in the stdout artifact), found where ansible.cfg says.
-        callbacks = self.project_dir / "plugins" / "callback"
-        if (
-            "ANSIBLE_STDOUT_CALLBACK" not in os.environ
-            and (callbacks / "llama_progress.py").is_file()
-        ):
-            env["ANSIBLE_CALLBACK_PLUGINS"] = str(callbacks)
-            env["ANSIBLE_STDOUT_CALLBACK"] = "llama_progress"
+        # lines in the stdout artifact), from the project's collection as ansible.cfg names it.
+        callback = self.project_dir / PROGRESS_CALLBACK_FILE
+        if "ANSIBLE_STDOUT_CALLBACK" not in os.environ and callback.is_file():
+            env["ANSIBLE_STDOUT_CALLBACK"] = PROGRESS_CALLBACK
             # Without ansible.cfg's timers (profile_tasks, timer): they print after the recap,
             # as events after playbook_on_stats and over the stdout tail an error quotes; every
             # task event has its own times. Naming the stdout callback alone enables no other.
             if "ANSIBLE_CALLBACKS_ENABLED" not in os.environ:
-                env["ANSIBLE_CALLBACKS_ENABLED"] = "llama_progress"
+                env["ANSIBLE_CALLBACKS_ENABLED"] = PROGRESS_CALLBACK
         return env
 
     def _cfg_bool(self, section: str, key: str, default: bool = True) -> bool:

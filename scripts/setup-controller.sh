@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Sets up the controller: .venv with the pinned Python dependencies and collections/ with the
-# pinned Ansible collections, unpacked from the `ansible` package on PyPI (Galaxy is not needed).
+# Sets up the controller: .venv with the pinned Python dependencies and .cache/collections with
+# the pinned third-party Ansible collections (the project's own is collections/, in git), unpacked from the `ansible` package on PyPI (Galaxy is not needed).
 # Idempotent and fast on a second run: each step is skipped when its inputs have not changed.
 #   scripts/setup-controller.sh            set up (or refresh) the controller
 #   scripts/setup-controller.sh --relock   re-resolve requirements.txt into constraints.txt
@@ -44,17 +44,20 @@ if [[ ! -x .venv/bin/python || $(cat .venv/.stamp 2>/dev/null) != "$want" ]]; th
   echo "$want" > .venv/.stamp
 fi
 
+# Third-party collections, beside the project's own (collections/, in git): ansible.cfg's
+# collections_path names both.
+vendor=.cache/collections
 want="ansible-$ANSIBLE_BUNDLE_VERSION ${COLLECTIONS[*]}"
-if [[ $(cat collections/.stamp 2>/dev/null) != "$want" ]]; then
+if [[ $(cat "$vendor/.stamp" 2>/dev/null) != "$want" ]]; then
   echo "setup: unpacking collections from ansible==$ANSIBLE_BUNDLE_VERSION"
   wheel=$(ls "$cache"/ansible-"$ANSIBLE_BUNDLE_VERSION"-py3-none-any.whl 2>/dev/null || true)
   if [[ -z $wheel ]]; then
     .venv/bin/pip download -q --no-deps -d "$cache" "ansible==$ANSIBLE_BUNDLE_VERSION"
     wheel=$cache/ansible-$ANSIBLE_BUNDLE_VERSION-py3-none-any.whl
   fi
-  rm -rf collections
-  mkdir -p collections
-  .venv/bin/python - "$wheel" collections "${COLLECTIONS[@]}" <<'PY'
+  rm -rf "$vendor"
+  mkdir -p "$vendor"
+  .venv/bin/python - "$wheel" "$vendor" "${COLLECTIONS[@]}" <<'PY'
 import sys
 import zipfile
 
@@ -64,7 +67,7 @@ with zipfile.ZipFile(wheel) as archive:
     members = [m for m in archive.namelist() if m.startswith(prefixes)]
     archive.extractall(dest, members)
 PY
-  echo "$want" > collections/.stamp
+  echo "$want" > "$vendor/.stamp"
 fi
 
 echo "setup: controller ready ($(.venv/bin/ansible --version | sed -n 1p))"

@@ -5,11 +5,9 @@ on real nodes)."""
 from __future__ import annotations
 
 import pytest
-from sources import load
-
-preflight = load("roles/preflight/filter_plugins/preflight.py")
-checkpoints = load("roles/run_config/filter_plugins/checkpoints.py")
-datasets = load("roles/run_config/filter_plugins/datasets.py")
+from ansible_collections.llama.cluster.plugins.filter import preflight
+from ansible_collections.llama.cluster.plugins.module_utils.planner.checkpoints import resume_point
+from ansible_collections.llama.cluster.plugins.module_utils.planner.render import dataset_files
 
 
 def _gpus(*indexes: int) -> dict:
@@ -55,7 +53,7 @@ def _found(*steps: int, cut: tuple[int, ...] = ()) -> list[dict]:
 
 
 def _point(found: dict, sharded: bool = False) -> dict:
-    return checkpoints.run_config_resume_point(found, "train-1", RUN, "T", sharded)
+    return resume_point(found, "train-1", RUN, "T", sharded)
 
 
 def test_every_node_with_the_same_checkpoints_resumes_from_the_latest() -> None:
@@ -119,7 +117,7 @@ def test_a_run_without_a_complete_checkpoint_says_to_start_a_new_one(found, said
 def test_the_run_trains_on_the_file_each_dataset_check_returned() -> None:
     run = [{"name": "a", "file": "data/a.json"}, {"name": "b", "file": "data/b.json", "x": 1}]
     checked = {"b": {"file": "/runs/datasets/b.valid.jsonl", "valid": 3}}
-    assert datasets.run_config_dataset_files(run, checked) == [
+    assert dataset_files(run, checked) == [
         {"name": "a", "file": "data/a.json"},
         {"name": "b", "file": "/runs/datasets/b.valid.jsonl", "x": 1},
     ]

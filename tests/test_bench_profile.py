@@ -20,8 +20,7 @@ import analyse  # noqa: E402
 import harness  # noqa: E402
 import make_model  # noqa: E402
 import wheels  # noqa: E402
-
-from plugins.filter.cluster import cluster_ranks  # noqa: E402
+from ansible_collections.llama.cluster.plugins.filter.cluster import cluster_ranks  # noqa: E402
 
 # Qwen2.5-7B as bench/make_model.py writes bench_model.json for it (its published parameter count).
 QWEN7B = {**make_model.SHAPES["7b"], "n_params": 7_615_616_512}

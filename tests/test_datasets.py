@@ -1,4 +1,4 @@
-"""The dataset checker (library/llama_dataset_check.py): what it accepts is what LLaMA-Factory
+"""The dataset checker (the llama_dataset_check module): what it accepts is what LLaMA-Factory
 0.9.5 trains on, it says which record is wrong and why, and it reads any size in bounded memory.
 
 The record cases are checked against LLaMA-Factory's own converters too (in the training venv):
@@ -15,8 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-from library import llama_dataset_check as check
+from ansible_collections.llama.cluster.plugins.modules import llama_dataset_check as check
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"

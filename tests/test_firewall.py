@@ -7,9 +7,7 @@ against real ufw in every provision of the lab and of molecule's scenarios.
 from __future__ import annotations
 
 import pytest
-from sources import load
-
-ufw = load("roles/firewall/library/llama_ufw.py")
+from ansible_collections.llama.cluster.plugins.modules import llama_ufw as ufw
 
 NODES = ["172.18.0.2", "172.18.0.3"]
 RULES = ufw.expand(

@@ -1,5 +1,6 @@
 """Every playbook refuses an inventory that does not add up, in its first play, on the controller,
-before any node is touched; the rules themselves, case by case (plugins/filter/cluster.py).
+before any node is touched; the rules themselves, case by case
+(llama/cluster/plugins/filter/cluster.py).
 
 The nodes of these inventories do not exist: ansible_host 127.0.0.1 on port 9, where nothing
 listens, so a playbook that got past the check would stop on "UNREACHABLE" instead of the
@@ -15,11 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from sources import load
+from ansible_collections.llama.cluster.plugins.filter import cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
-cluster = load("plugins/filter/cluster.py")
 
 GHOST = "ansible_host=127.0.0.1 ansible_port=9"
 

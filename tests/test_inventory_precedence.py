@@ -23,7 +23,7 @@ import yaml
 from ansible.inventory.group import Group
 from ansible.parsing.dataloader import DataLoader
 from ansible.plugins.vars.host_group_vars import VarsModule as HostGroupVars
-from sources import load
+from ansible_collections.llama.cluster.plugins.vars import llama_group_vars
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -264,11 +264,10 @@ def test_ansible_runner_sees_the_same_values(probe_in, tmp_path: Path):
 def test_an_inventory_in_the_root_does_not_load_the_defaults_as_its_group_vars():
     # An inventory kept in the project's root has group_vars/all as its adjacent group_vars:
     # llama_group_vars leaves that to llama_defaults (beneath the inventory), other groups not.
-    module = load("plugins/vars/llama_group_vars.py")
     loader = DataLoader()
     everything = HostGroupVars().get_vars(loader, str(ROOT), [Group("all")], cache=False)
     assert everything["cuda_version"] == DEFAULTS["cuda_version"]
-    plugin = module.VarsModule()
+    plugin = llama_group_vars.VarsModule()
     assert plugin.get_vars(loader, str(ROOT), [Group("all")], cache=False) == {}
     assert plugin.get_vars(loader, str(ROOT / "inventory/example"), [Group("cluster")]) == {
         "cluster_accelerator": "nvidia"

@@ -1,8 +1,8 @@
-"""How a play reports a job from what each node's llama-job said (plugins/filter/job.py)."""
+"""How a play reports a job from what each node's llama-job said (filter/job.py)."""
 
 from __future__ import annotations
 
-from plugins.filter.job import (
+from ansible_collections.llama.cluster.plugins.filter.job import (
     job_failure_message,
     job_found_paths,
     job_outcome,

@@ -1,5 +1,6 @@
-"""library/llama_files.py, run for real on this machine (ad-hoc, local connection), and the
-run_config_files filter that feeds it the run directory's texts."""
+"""The llama_files module (plugins/modules/llama_files.py), run for real on this machine
+(ad-hoc, local connection), and the run_config_files filter that feeds it the run directory's
+texts."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sources import load
+from ansible_collections.llama.cluster.plugins.module_utils.planner.render import run_files
 
 ROOT = Path(__file__).resolve().parents[1]
 ANSIBLE = Path(sys.executable).with_name("ansible")
@@ -17,8 +18,9 @@ ANSIBLE = Path(sys.executable).with_name("ansible")
 def llama_files(args: dict, *, check: bool = False) -> dict:
     """Run the module on localhost; its result."""
     done = subprocess.run(
-        [str(ANSIBLE), "-i", "localhost,", "-c", "local", "localhost", "-m", "llama_files",
-         "-a", json.dumps(args), "-o", *(["--check"] if check else [])],
+        [str(ANSIBLE), "-i", "localhost,", "-c", "local", "localhost",
+         "-m", "llama.cluster.llama_files", "-a", json.dumps(args), "-o",
+         *(["--check"] if check else [])],
         cwd=ROOT, capture_output=True, text=True, check=False,
         env={"ANSIBLE_NOCOLOR": "1", "ANSIBLE_STDOUT_CALLBACK": "minimal", "PATH": "/usr/bin:/bin"},
     )  # fmt: skip
@@ -70,10 +72,7 @@ def test_bad_json_or_a_relative_path_is_refused_before_anything_is_written(tmp_p
 
 
 def test_run_config_files_skips_unused_configurations_and_ends_texts_with_a_newline() -> None:
-    run_plan = load("plugins/filter/run_plan.py")
-    files = run_plan.run_files(
-        {"train.yaml": "a: 1", "ds_config.json": "", "plan.json": "{}\n"}, "/r"
-    )
+    files = run_files({"train.yaml": "a: 1", "ds_config.json": "", "plan.json": "{}\n"}, "/r")
     assert files == [
         {"path": "/r/train.yaml", "content": "a: 1\n", "json": False},
         {"path": "/r/plan.json", "content": "{}\n", "json": True},

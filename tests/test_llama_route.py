@@ -1,5 +1,5 @@
-"""library/llama_route.py against iproute2 on this machine (the module stands in for it on nodes
-that lack it)."""
+"""plugins/modules/llama_route.py against iproute2 on this machine (the module stands in for it
+on nodes that lack it)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,11 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
-from sources import load
+from ansible_collections.llama.cluster.plugins.modules import llama_route
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _module() -> ModuleType:
-    return load("library/llama_route.py")
 
 
 def _own_address() -> str:
@@ -32,7 +27,7 @@ def test_a_remote_address_gets_the_interface_and_source_of_ip_route_get(target: 
     words = subprocess.run(
         ["ip", "-o", "route", "get", target], check=True, capture_output=True, text=True
     ).stdout.split()
-    found = _module().route(target)
+    found = llama_route.route(target)
     assert "lo" in found.pop("interfaces")
     assert found == {
         "ifname": words[words.index("dev") + 1],
@@ -43,7 +38,7 @@ def test_a_remote_address_gets_the_interface_and_source_of_ip_route_get(target: 
 
 def test_the_master_itself_gets_the_interface_that_holds_its_address() -> None:
     own = _own_address()
-    route = _module().route
+    route = llama_route.route
     loopback = route("127.0.0.1")
     assert loopback.pop("interfaces") == sorted(name for _, name in socket.if_nameindex())
     assert loopback == {"ifname": "lo", "source": "127.0.0.1", "local": True}
@@ -56,7 +51,13 @@ def test_the_master_itself_gets_the_interface_that_holds_its_address() -> None:
 def test_the_module_refuses_what_is_not_an_address() -> None:
     args = '{"ANSIBLE_MODULE_ARGS": {"address": "master.example"}}'
     done = subprocess.run(
-        [sys.executable, str(ROOT / "library" / "llama_route.py")],
+        [
+            sys.executable,
+            str(
+                ROOT
+                / "collections/ansible_collections/llama/cluster/plugins/modules/llama_route.py"
+            ),
+        ],
         input=args,
         capture_output=True,
         text=True,

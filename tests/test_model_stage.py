@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from sources import load
+from ansible_collections.llama.cluster.plugins.filter import model_stage as stage
+from ansible_collections.llama.cluster.plugins.modules import llama_model_progress as progress
 
 ROOT = Path(__file__).resolve().parents[1]
 ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
@@ -25,9 +26,6 @@ TRAIN_PYTHON = Path(
 )
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
-
-stage = load("roles/model_stage/filter_plugins/model_stage.py")
-progress = load("roles/model_stage/library/llama_model_progress.py")
 
 SETTINGS = {
     "hub": "huggingface",

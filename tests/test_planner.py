@@ -1,4 +1,4 @@
-"""The run planner (plugins/filter/run_plan.py), rule by rule, with the project's own data.
+"""The run planner (plugins/module_utils/planner), rule by rule, with the project's own data.
 
 The catalogue and the rules are read from group_vars/all/models.yml and training.yml, so these
 tests check what train.yml plans today; the playbook path is in tests/test_train_validation.py.
@@ -14,13 +14,33 @@ from typing import Any
 
 import pytest
 import yaml
-from sources import load
+from ansible_collections.llama.cluster.plugins.module_utils.planner.assembly import plan
+from ansible_collections.llama.cluster.plugins.module_utils.planner.errors import PlanError
+from ansible_collections.llama.cluster.plugins.module_utils.planner.memory import GIB, Memory
+from ansible_collections.llama.cluster.plugins.module_utils.planner.model import (
+    layer_class,
+    model_params,
+    model_shape,
+)
+from ansible_collections.llama.cluster.plugins.module_utils.planner.nodes import (
+    cluster_accelerator,
+    describe_nodes,
+    hosts_without_gpu_facts,
+    node_gpu_memory,
+)
+from ansible_collections.llama.cluster.plugins.module_utils.planner.render import (
+    dataset_info,
+    train_yaml,
+)
+from ansible_collections.llama.cluster.plugins.module_utils.planner.rules import (
+    RULE_KEYS,
+    apply_rules,
+    rule_matches,
+)
+from ansible_collections.llama.cluster.plugins.module_utils.planner.schema import check_request
 
 ROOT = Path(__file__).resolve().parents[1]
 
-
-rp = load("plugins/filter/run_plan.py")
-bench = load("bench/bench_lf.py")
 
 CATALOGUE = yaml.safe_load((ROOT / "group_vars/all/models.yml").read_text())["models_catalogue"]
 TRAINING = yaml.safe_load((ROOT / "group_vars/all/training.yml").read_text())
@@ -88,7 +108,7 @@ def make_plan(
     **extra: Any,
 ) -> dict[str, Any]:
     cluster = nodes() if cluster is None else cluster
-    return rp.plan(
+    return plan(
         request(model, **extra),
         nodes=cluster,
         ranks={n["host"]: n["rank"] for n in cluster},
@@ -170,7 +190,7 @@ def test_a_stage_asked_for_is_kept_and_said_so() -> None:
 
 
 def test_a_stage_asked_for_that_does_not_fit_is_refused() -> None:
-    with pytest.raises(rp.PlanError, match="does not fit the GPUs: deepspeed=none"):
+    with pytest.raises(PlanError, match="does not fit the GPUs: deepspeed=none"):
         make_plan("llama3-8b", cluster=nodes(1, gib=24), finetuning_type="full", deepspeed="none")
 
 
@@ -192,7 +212,7 @@ def test_the_plan_is_for_the_smallest_gpu_of_any_node() -> None:
 
 
 def test_a_model_too_long_for_any_stage_is_refused() -> None:
-    with pytest.raises(rp.PlanError, match=r"even with ZeRO-3 and CPU offload.*Lower cutoff_len"):
+    with pytest.raises(PlanError, match=r"even with ZeRO-3 and CPU offload.*Lower cutoff_len"):
         make_plan("llama3-8b", cluster=nodes(1, gib=24), cutoff_len=65536)
 
 
@@ -242,12 +262,12 @@ def test_pretraining_is_not_packed_by_the_sft_rule() -> None:
 
 def test_rules_match_lists_and_ranges() -> None:
     facts = {"accelerator": "nvidia", "params_b": 7.6, "gpu_memory_gib": 80.0, "world_size": 2}
-    assert rp.rule_matches({"when": {"accelerator": ["cpu", "nvidia"]}}, facts)
-    assert rp.rule_matches({"when": {"min_params_b": 7, "max_params_b": 8}}, facts)
-    assert not rp.rule_matches({"when": {"max_params_b": 3}}, facts)
-    assert not rp.rule_matches({"when": {"min_world_size": 4}}, facts)
-    assert not rp.rule_matches({"when": {"min_gpu_memory_gib": 24}}, {"gpu_memory_gib": None})
-    assert rp.rule_matches({"set": {}}, facts)  # no `when`: always
+    assert rule_matches({"when": {"accelerator": ["cpu", "nvidia"]}}, facts)
+    assert rule_matches({"when": {"min_params_b": 7, "max_params_b": 8}}, facts)
+    assert not rule_matches({"when": {"max_params_b": 3}}, facts)
+    assert not rule_matches({"when": {"min_world_size": 4}}, facts)
+    assert not rule_matches({"when": {"min_gpu_memory_gib": 24}}, {"gpu_memory_gib": None})
+    assert rule_matches({"set": {}}, facts)  # no `when`: always
 
 
 def test_later_rules_win_and_every_matching_rule_is_named() -> None:
@@ -256,20 +276,20 @@ def test_later_rules_win_and_every_matching_rule_is_named() -> None:
         {"name": "second", "when": {"min_params_b": 1}, "set": {"logging_steps": 7}},
         {"name": "never", "when": {"accelerator": "cpu"}, "set": {"logging_steps": 9}},
     ]
-    settings, names = rp.apply_rules(rules, {"accelerator": "nvidia", "params_b": 7.6})
+    settings, names = apply_rules(rules, {"accelerator": "nvidia", "params_b": 7.6})
     assert settings == {"logging_steps": 7}
     assert names == ["first", "second"]
 
 
 def test_a_rule_testing_an_unknown_key_is_refused_with_the_keys_allowed() -> None:
     rules = [{"name": "typo", "when": {"acelerator": "nvidia"}, "set": {"bf16": True}}]
-    with pytest.raises(rp.PlanError, match=r"'typo'.*tests acelerator.*Keys a rule can test: "):
+    with pytest.raises(PlanError, match=r"'typo'.*tests acelerator.*Keys a rule can test: "):
         make_plan(settings={**SETTINGS, "rules": rules})
 
 
 def test_every_rule_key_is_documented_in_training_yml() -> None:
     text = (ROOT / "group_vars/all/training.yml").read_text()
-    for key in rp.RULE_KEYS:
+    for key in RULE_KEYS:
         assert key in text, key
 
 
@@ -337,7 +357,7 @@ def test_without_packing_the_batch_comes_from_the_defaults() -> None:
 
 
 def test_a_micro_batch_that_does_not_fit_is_refused_naming_the_setting() -> None:
-    with pytest.raises(rp.PlanError, match="smaller per_device_train_batch_size"):
+    with pytest.raises(PlanError, match="smaller per_device_train_batch_size"):
         make_plan(cluster=nodes(1, gib=24), train_args={"per_device_train_batch_size": 16})
 
 
@@ -383,8 +403,8 @@ def test_cpu_effective_batch_uses_the_catalogue_and_the_users_values() -> None:
 
 
 def test_ddp_buckets_are_counted_only_with_more_than_one_rank() -> None:
-    one = rp.Memory(1e9, "full", None, 1, SETTINGS["memory"], None)
-    two = rp.Memory(1e9, "full", None, 2, SETTINGS["memory"], None)
+    one = Memory(1e9, "full", None, 1, SETTINGS["memory"], None)
+    two = Memory(1e9, "full", None, 2, SETTINGS["memory"], None)
     assert one.state("none") == 16e9
     assert two.state("none") == 20e9
     assert two.state("zero2") == 2e9 + 14e9 / 2
@@ -411,15 +431,15 @@ def test_the_memory_model_overestimates_every_measured_peak_by_at_most_15_percen
     model: str, finetuning: str, tokens: int, world: int, measured_gib: float
 ) -> None:
     entry = CATALOGUE[model]
-    memory = rp.Memory(
-        rp.model_params(entry["config"]),
+    memory = Memory(
+        model_params(entry["config"]),
         finetuning,
-        rp.model_shape(entry["config"]),
+        model_shape(entry["config"]),
         world,
         SETTINGS["memory"],
         None,
     )
-    estimate = memory.need("none", tokens, checkpointing=False) / rp.GIB
+    estimate = memory.need("none", tokens, checkpointing=False) / GIB
     assert measured_gib <= estimate <= measured_gib * 1.15
 
 
@@ -440,8 +460,25 @@ PLANNED = [
 ]
 
 
+# The benchmarked profiles (BENCHMARKS.md section 1: LLaMA-Factory's full example without
+# checkpointing, packed rows of 1024, SDPA, no Liger), as the planner must reproduce them.
+BENCHMARKED = {
+    "packing": True,
+    "neat_packing": False,
+    "disable_gradient_checkpointing": True,
+    "ddp_find_unused_parameters": False,
+    "bf16": True,
+    "flash_attn": "sdpa",
+    "gradient_accumulation_steps": 1,
+}
+PRESETS = {
+    "profile_noliger": {**BENCHMARKED, "per_device_train_batch_size": 3, "cutoff_len": 1024},
+    "profile_noliger_mb8": {**BENCHMARKED, "per_device_train_batch_size": 8, "cutoff_len": 1024},
+}
+
+
 def _benchmarked(preset: str) -> dict[str, Any]:
-    settings = bench.PRESETS[preset]
+    settings = PRESETS[preset]
     return {key: settings[key] for key in PLANNED}
 
 
@@ -455,7 +492,7 @@ def test_h200_plan_for_the_1_5b_full_fine_tune_is_the_benchmarked_profile(
         "qwen2.5-1.5b", finetuning_type="full", cutoff_len=1024, tokens_per_step=tokens
     )
     assert plan["deepspeed"] == "none"
-    assert plan["model"]["cutoff_len"] == bench.PRESETS[preset]["cutoff_len"]
+    assert plan["model"]["cutoff_len"] == PRESETS[preset]["cutoff_len"]
     assert {key: plan["train_args"].get(key) for key in PLANNED} == _benchmarked(preset)
     assert not plan["train_args"].get("enable_liger_kernel", False)
     assert plan["train_args"]["pure_bf16"] is False
@@ -527,9 +564,9 @@ def test_24gb_plans_for_the_benchmarked_models() -> None:
     assert (args["per_device_train_batch_size"], args["gradient_accumulation_steps"]) == (1, 3)
     assert lora["gradient_checkpointing"] is True
     assert lora["tokens_per_step"] == 3072
-    for plan in (full, lora):
-        assert plan["train_args"]["packing"] is True
-        assert plan["memory_estimate_gib"] <= plan["memory_budget_gib"] < RTX4090_GIB
+    for planned in (full, lora):
+        assert planned["train_args"]["packing"] is True
+        assert planned["memory_estimate_gib"] <= planned["memory_budget_gib"] < RTX4090_GIB
 
 
 # ---------------------------------------------------------------------------------------------
@@ -573,7 +610,7 @@ def test_compile_the_user_turns_off_stays_off() -> None:
 
 
 def test_a_7b_shaped_config_counts_qwen2_5_7b_parameters() -> None:
-    assert rp.model_params(QWEN25_7B_CONFIG) == 7_615_616_512  # transformers' own count
+    assert model_params(QWEN25_7B_CONFIG) == 7_615_616_512  # transformers' own count
 
 
 @pytest.mark.parametrize("finetuning", ["lora", "full"])
@@ -599,7 +636,7 @@ def test_a_model_sized_by_its_config_plans_like_the_catalogues_7b(
 
 
 def test_a_model_of_unknown_size_is_refused_asking_for_params_b() -> None:
-    with pytest.raises(rp.PlanError, match=r"size is unknown.*-e model_params_b=7\.6"):
+    with pytest.raises(PlanError, match=r"size is unknown.*-e model_params_b=7\.6"):
         make_plan("mine", model_path="/models/mine", model_template="qwen")
 
 
@@ -616,19 +653,19 @@ def test_params_b_given_sizes_a_model_without_config() -> None:
 
 def test_remote_code_needs_trust_and_the_plan_says_so() -> None:
     config = {**QWEN25_7B_CONFIG, "model_type": "qwen", "auto_map": {"AutoModelForCausalLM": "x"}}
-    with pytest.raises(rp.PlanError, match=r"own modelling code.*-e trust_remote_code=true"):
+    with pytest.raises(PlanError, match=r"own modelling code.*-e trust_remote_code=true"):
         make_plan("q1", model_path="/m/q1", model_config=config)
     plan = make_plan("q1", model_path="/m/q1", model_config=config, trust_remote_code="true")
     assert plan["model"]["trust_remote_code"] is True
     assert "trust_remote_code" in plan["summary"][0]
-    assert rp.train_yaml(plan, "/r")["trust_remote_code"] is True
+    assert train_yaml(plan, "/r")["trust_remote_code"] is True
 
 
 @pytest.mark.parametrize("model", GPU_MODELS)
 def test_catalogue_sizes_match_their_configs(model: str) -> None:
     entry = CATALOGUE[model]
-    assert rp.model_params(entry["config"]) == pytest.approx(entry["params_b"] * 1e9, rel=0.01)
-    assert entry["layer_class"] == rp.layer_class(entry["config"])
+    assert model_params(entry["config"]) == pytest.approx(entry["params_b"] * 1e9, rel=0.01)
+    assert entry["layer_class"] == layer_class(entry["config"])
     assert not entry.get("trust_remote_code", False)
 
 
@@ -674,8 +711,8 @@ def test_parameter_count_matches_transformers_for_every_catalogue_config() -> No
     assert lines, done.stderr[-2000:]
     counts = json.loads(lines[-1].removeprefix("COUNTS "))
     for model, (count, layer) in counts.items():
-        assert rp.model_params(configs[model]) == count, model
-        assert rp.layer_class(configs[model]) == layer, model
+        assert model_params(configs[model]) == count, model
+        assert layer_class(configs[model]) == layer, model
 
 
 # ---------------------------------------------------------------------------------------------
@@ -750,8 +787,8 @@ BAD_VALUES = [
 
 @pytest.mark.parametrize(("extra", "message"), BAD_VALUES, ids=[m for _, m in BAD_VALUES])
 def test_a_bad_number_is_refused_saying_what_is_allowed(extra: dict, message: str) -> None:
-    with pytest.raises(rp.PlanError) as refused:
-        rp.check_request(request(**extra), CATALOGUE, STAGES)
+    with pytest.raises(PlanError) as refused:
+        check_request(request(**extra), CATALOGUE, STAGES)
     assert message in str(refused.value)
     assert "nothing was changed on any node" in str(refused.value)
 
@@ -762,14 +799,14 @@ def test_every_bad_value_is_listed_in_one_message() -> None:
         max_restarts=-2,
         tokens_per_step="many",
     )
-    with pytest.raises(rp.PlanError) as refused:
-        rp.check_request(asked, CATALOGUE, STAGES)
+    with pytest.raises(PlanError) as refused:
+        check_request(asked, CATALOGUE, STAGES)
     lines = [x for x in str(refused.value).splitlines() if x.startswith("- ")]
     assert len(lines) == 5
 
 
 def test_numbers_given_as_text_are_accepted_and_converted() -> None:
-    checked = rp.check_request(
+    checked = check_request(
         request(
             train_args={
                 "learning_rate": "5e-5",
@@ -806,8 +843,8 @@ def test_max_restarts_is_in_the_plan() -> None:
 
 
 def test_an_unknown_model_lists_the_known_ones() -> None:
-    with pytest.raises(rp.PlanError, match=r'Unknown model "gpt-5"\. Known models: llama3-8b, '):
-        rp.check_request(request("gpt-5"), CATALOGUE, STAGES)
+    with pytest.raises(PlanError, match=r'Unknown model "gpt-5"\. Known models: llama3-8b, '):
+        check_request(request("gpt-5"), CATALOGUE, STAGES)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -829,48 +866,48 @@ def hostvars(
 def test_nodes_that_disagree_on_the_accelerator_are_refused_naming_them() -> None:
     hosts = {"a": hostvars("nvidia"), "b": hostvars("cpu"), "c": hostvars("nvidia")}
     expected = r"disagree on cluster_accelerator \(cpu on b; nvidia on a, c\)"
-    with pytest.raises(rp.PlanError, match=expected):
-        rp.cluster_accelerator(["a", "b", "c"], hosts)
-    described = rp.describe_nodes({"a": 0, "b": 1, "c": 2}, hosts, {"a": 1, "b": 1, "c": 1})
-    with pytest.raises(rp.PlanError, match="disagree on cluster_accelerator"):
+    with pytest.raises(PlanError, match=expected):
+        cluster_accelerator(["a", "b", "c"], hosts)
+    described = describe_nodes({"a": 0, "b": 1, "c": 2}, hosts, {"a": 1, "b": 1, "c": 1})
+    with pytest.raises(PlanError, match="disagree on cluster_accelerator"):
         make_plan(cluster=described)
 
 
 def test_gpu_memory_is_the_smallest_gpu_the_node_trains_on() -> None:
     mixed = hostvars(mib=[81559, 24564, 143771])
-    assert rp.node_gpu_memory("a", mixed) == (24.0, "facts, smallest of 3 GPUs")
+    assert node_gpu_memory("a", mixed) == (24.0, "facts, smallest of 3 GPUs")
     chosen = hostvars(mib=[81559, 24564, 143771], gpu_ids=[0, 2])
-    assert rp.node_gpu_memory("a", chosen) == (79.6, "facts, smallest of 2 GPUs")
+    assert node_gpu_memory("a", chosen) == (79.6, "facts, smallest of 2 GPUs")
 
 
 def test_gpu_memory_falls_back_to_the_setting_only_where_facts_say_nothing() -> None:
     no_driver = hostvars(mib=[None, None])
-    gib, source = rp.node_gpu_memory("a", no_driver)
+    gib, source = node_gpu_memory("a", no_driver)
     assert gib == 80.0
     assert source.startswith("training_gpu_memory_gib")
-    assert rp.node_gpu_memory("a", hostvars("cpu")) == (None, "CPU node")
+    assert node_gpu_memory("a", hostvars("cpu")) == (None, "CPU node")
 
 
 def test_gpu_ids_that_the_node_does_not_have_are_refused() -> None:
-    with pytest.raises(rp.PlanError, match=r"a: gpu_ids \[0, 4\] name GPUs \[4\].*GPUs \[0, 1\]"):
-        rp.node_gpu_memory("a", hostvars(mib=[81559, 81559], gpu_ids=[0, 4]))
+    with pytest.raises(PlanError, match=r"a: gpu_ids \[0, 4\] name GPUs \[4\].*GPUs \[0, 1\]"):
+        node_gpu_memory("a", hostvars(mib=[81559, 81559], gpu_ids=[0, 4]))
 
 
 def test_only_gpu_nodes_without_cached_facts_are_read_before_planning() -> None:
     hosts = {"a": hostvars(mib=[81559]), "b": hostvars(), "c": hostvars("cpu")}
-    assert rp.hosts_without_gpu_facts(["a", "b", "c"], hosts) == ["b"]
+    assert hosts_without_gpu_facts(["a", "b", "c"], hosts) == ["b"]
 
 
 def test_facts_in_ansible_facts_are_read_too() -> None:
     gpus = [{"index": 0, "memory_mib": 24564}]
     gathered = {"ansible_facts": {"local": {"llama_host": {"gpus": gpus}}}}
-    assert rp.node_gpu_memory("a", gathered)[0] == 24.0
+    assert node_gpu_memory("a", gathered)[0] == 24.0
 
 
 def test_nodes_with_different_process_counts_are_refused() -> None:
     cluster = nodes(2)
     cluster[1]["nproc"] = 2
-    with pytest.raises(rp.PlanError, match=r"different numbers of processes \(n0: 1, n1: 2\)"):
+    with pytest.raises(PlanError, match=r"different numbers of processes \(n0: 1, n1: 2\)"):
         make_plan(cluster=cluster)
 
 
@@ -879,7 +916,7 @@ def test_a_process_count_that_is_not_positive_is_refused(nproc: Any) -> None:
     cluster = nodes(2)
     for node in cluster:
         node["nproc"] = nproc
-    with pytest.raises(rp.PlanError, match="nproc_per_node must be an integer >= 1"):
+    with pytest.raises(PlanError, match="nproc_per_node must be an integer >= 1"):
         make_plan(cluster=cluster)
 
 
@@ -935,22 +972,22 @@ def test_the_plan_shown_before_launch_lists_every_decision() -> None:
 
 def test_train_yaml_adds_the_model_data_and_paths() -> None:
     plan = make_plan("qwen2.5-0.5b", cluster=nodes(2), deepspeed="zero2")
-    args = rp.train_yaml(plan, "/runs/r1")
+    args = train_yaml(plan, "/runs/r1")
     assert args["model_name_or_path"] == "Qwen/Qwen2.5-0.5B-Instruct"
     assert args["deepspeed"] == "/runs/r1/ds_config.json"
     assert (args["dataset_dir"], args["output_dir"]) == ("/runs/r1/data", "/runs/r1/output")
     assert args["cutoff_len"] == 2048
     assert args["save_on_each_node"] is True
     assert not any(key.startswith("lora_") for key in args)  # a full fine-tune
-    shared = rp.train_yaml(plan, "/runs/r1", shared_storage=True)
+    shared = train_yaml(plan, "/runs/r1", shared_storage=True)
     assert "save_on_each_node" not in shared
-    fsdp = rp.train_yaml({**plan, "deepspeed": "fsdp"}, "/runs/r1")
+    fsdp = train_yaml({**plan, "deepspeed": "fsdp"}, "/runs/r1")
     assert fsdp["fsdp_config"] == "/runs/r1/fsdp_config.json"
     assert "deepspeed" not in fsdp
 
 
 def test_dataset_info_registers_each_file_beside_it() -> None:
-    info = rp.dataset_info(
+    info = dataset_info(
         [{"name": "a", "file": "x/a.json", "formatting": "sharegpt", "columns": {"messages": "c"}}]
     )
     assert info == {
@@ -960,8 +997,8 @@ def test_dataset_info_registers_each_file_beside_it() -> None:
 
 def test_the_projects_own_settings_pass_the_same_schema() -> None:
     defaults = {**SETTINGS["defaults"], "learning_rate": 0}
-    with pytest.raises(rp.PlanError, match=r"training_defaults \(group_vars/all/training.yml\)"):
+    with pytest.raises(PlanError, match=r"training_defaults \(group_vars/all/training.yml\)"):
         make_plan(settings={**SETTINGS, "defaults": defaults})
     rules = [{"name": "bad", "set": {"per_device_train_batch_size": -1}}]
-    with pytest.raises(rp.PlanError, match=r"profile rule 'bad'.*per_device_train_batch_size"):
+    with pytest.raises(PlanError, match=r"profile rule 'bad'.*per_device_train_batch_size"):
         make_plan(settings={**SETTINGS, "rules": rules})

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from sources import load
+from ansible_collections.llama.cluster.plugins.filter import python_env as env_filters
 
 PROJECT = Path(__file__).resolve().parents[1]
 ANSIBLE_PLAYBOOK = str(Path(sys.executable).with_name("ansible-playbook"))
@@ -438,10 +438,7 @@ def test_gpu_probe_finds_nvidia_gpus_on_the_pci_bus_without_a_driver(tmp_path: P
     assert result["driver_version"] is None
 
 
-# The installer's command line and the overlay's package list (plugins/filter/python_env.py).
-
-
-env_filters = load("plugins/filter/python_env.py")
+# The installer's command line and the overlay's package list (filter/python_env.py).
 
 
 def test_install_argv_from_the_wheelhouse_is_offline_under_the_lock_for_uv_and_pip():

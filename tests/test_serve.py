@@ -1,7 +1,7 @@
-"""Serving, services and tracking decisions (plugins/filter/serve.py), case by case, and bad
-requests to serve.yml, tensorboard.yml and train.yml's trackers refused on the controller before
-any node is contacted (the inventory's TEST-NET addresses answer nothing, so a request that got
-past the checks would fail on "unreachable" instead of the message asserted here).
+"""Serving, services and tracking decisions (filter/serve.py, tracking.py), case by case, and
+bad requests to serve.yml, tensorboard.yml and train.yml's trackers refused on the controller
+before any node is contacted (the inventory's TEST-NET addresses answer nothing, so a request that
+got past the checks would fail on "unreachable" instead of the message asserted here).
 
 The lab proves the rest end to end: molecule/train/tests/test_serve.py.
 """
@@ -9,8 +9,7 @@ The lab proves the rest end to end: molecule/train/tests/test_serve.py.
 from __future__ import annotations
 
 import pytest
-
-from plugins.filter.serve import (
+from ansible_collections.llama.cluster.plugins.filter.serve import (
     ServeError,
     controller_address,
     serve_backend,
@@ -19,10 +18,13 @@ from plugins.filter.serve import (
     service_request,
     service_sources,
     service_url_host,
-    tracking_plan,
-    tracking_train_args,
     url,
 )
+from ansible_collections.llama.cluster.plugins.filter.tracking import (
+    tracking_plan,
+    tracking_train_args,
+)
+
 from tests.test_train_validation import _inventory, _node, _train
 
 CATALOGUE = {

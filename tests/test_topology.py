@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import pytest
 from ansible.errors import AnsibleFilterError
-from sources import load
-
-cluster = load("plugins/filter/cluster.py")
+from ansible_collections.llama.cluster.plugins.filter import cluster
 
 
 def groups(master: list[str], workers: list[str]) -> dict[str, list[str]]:

@@ -6,10 +6,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from sources import load
+from ansible_collections.llama.cluster.plugins.filter import preflight
 
 ROOT = Path(__file__).resolve().parents[1]
-preflight = load("roles/preflight/filter_plugins/preflight.py")
 
 KEYS = yaml.safe_load((ROOT / "roles/preflight/defaults/main.yml").read_text())[
     "preflight_consistency_keys"

@@ -53,15 +53,11 @@ def playbook(path: str, *extra: str) -> subprocess.CompletedProcess[str]:
     ephemeral = os.environ.get("MOLECULE_EPHEMERAL_DIRECTORY")
     if ephemeral and "ANSIBLE_CONFIG" not in env:
         env["ANSIBLE_CONFIG"] = f"{ephemeral}/ansible.cfg"
-    for variable, folder in {
-        "ANSIBLE_ROLES_PATH": "roles",
-        "ANSIBLE_COLLECTIONS_PATH": "collections",
-        "ANSIBLE_LIBRARY": "library",
-        "ANSIBLE_MODULE_UTILS": "module_utils",
-        "ANSIBLE_CALLBACK_PLUGINS": "plugins/callback",
-        "ANSIBLE_FILTER_PLUGINS": "plugins/filter",
-    }.items():
-        env.setdefault(variable, str(PROJECT / folder))
+    env.setdefault("ANSIBLE_ROLES_PATH", str(PROJECT / "roles"))
+    # The project's collection (llama.cluster) and the third-party ones.
+    env.setdefault(
+        "ANSIBLE_COLLECTIONS_PATH", f"{PROJECT / 'collections'}:{PROJECT / '.cache/collections'}"
+    )
     env["ANSIBLE_PIPELINING"] = "true"
     env["ANSIBLE_NOCOLOR"] = "1"
     return subprocess.run(

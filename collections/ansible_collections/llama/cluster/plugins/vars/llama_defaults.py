@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from ansible.errors import AnsibleParserError
@@ -11,6 +10,7 @@ from ansible.inventory.host import Host
 from ansible.parsing.dataloader import DataLoader
 from ansible.plugins.vars import BaseVarsPlugin
 from ansible.utils.vars import combine_vars
+from ansible_collections.llama.cluster.plugins.module_utils.project import GROUP_VARS_DIR
 
 DOCUMENTATION = """
     name: llama_defaults
@@ -31,8 +31,7 @@ DOCUMENTATION = """
         type: str
 """
 
-# plugins/vars/llama_defaults.py -> the project's root, wherever ansible runs from.
-DEFAULTS_DIR = Path(__file__).resolve().parents[2] / "group_vars"
+DEFAULTS_DIR = GROUP_VARS_DIR
 
 
 class VarsModule(BaseVarsPlugin):

@@ -1,4 +1,4 @@
-"""Filters for resuming a run: the checkpoint every node of the run can continue from."""
+"""Resuming a run: the checkpoint every node of the run can continue from."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def _names(steps: list[int]) -> str:
     return ", ".join(f"checkpoint-{step}" for step in steps) or "none"
 
 
-def run_config_resume_point(
+def resume_point(
     found: Mapping[str, list[Mapping[str, Any]]],
     run_id: str,
     run_dir: str,
@@ -133,11 +133,3 @@ def _no_common_checkpoint(
         f"from its own disk. {held}{cut_text}. {', '.join(lacking)} {verb} checkpoint-{latest}: "
         f"{fix}; or start a new run (ansible-playbook train.yml -e model=...)."
     )
-
-
-class FilterModule:
-    """The run_config role's resume filters."""
-
-    def filters(self) -> dict[str, Any]:
-        """Map filter names to functions."""
-        return {"run_config_resume_point": run_config_resume_point}

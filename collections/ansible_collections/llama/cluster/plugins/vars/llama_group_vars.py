@@ -4,7 +4,6 @@ except the project's own group_vars/all (llama_defaults supplies it, beneath the
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 from ansible.inventory.group import Group, InventoryObjectType
@@ -12,6 +11,7 @@ from ansible.inventory.host import Host
 from ansible.parsing.dataloader import DataLoader
 from ansible.plugins.vars.host_group_vars import VarsModule as HostGroupVars
 from ansible.utils.path import basedir
+from ansible_collections.llama.cluster.plugins.module_utils import project
 
 DOCUMENTATION = """
     name: llama_group_vars
@@ -27,7 +27,7 @@ DOCUMENTATION = """
       - vars_plugin_staging
 """
 
-PROJECT_DIR = str(Path(__file__).resolve().parents[2])
+PROJECT_DIR = str(project.PROJECT_DIR)
 
 
 class VarsModule(HostGroupVars):

@@ -1,5 +1,5 @@
-"""What playbooks/serve.yml serves and how, what playbooks/tensorboard.yml opens to whom, and what
-train.yml's experiment trackers need: the decisions, each with a unit test in tests/test_serve.py.
+"""What playbooks/serve.yml serves and how, and what playbooks/tensorboard.yml opens to whom: the
+decisions, each with a unit test in tests/test_serve.py (tracking: plugins/filter/tracking.py).
 
 - `serve_request`: the -e inputs checked together (what to serve, port, backend, sources);
 - `serve_model`: the model directory, adapter, template and name of a run, a catalogue model or
@@ -7,7 +7,6 @@ train.yml's experiment trackers need: the decisions, each with a unit test in te
 - `serve_backend`: LLaMA-Factory's HF backend on CPUs, vLLM on GPUs that have it;
 - `service_sources` and `service_url_host`: who may reach a service's port, and where the
   controller reaches it;
-- `tracking_plan`: report_to, the trackers' settings and their keys (secrets) for a run.
 
 Standard library only; errors are `ServeError` (a filter error in Ansible) naming the fix.
 """
@@ -36,7 +35,7 @@ class ServeError(_BaseError):
     """A request that cannot be served, with what to change."""
 
 
-def _flag(value: object) -> bool:
+def as_flag(value: object) -> bool:
     """A boolean as Ansible's -e gives it (a string) or as YAML does."""
     if isinstance(value, str):
         return value.strip().lower() in ("1", "true", "yes", "on")
@@ -108,7 +107,7 @@ def _source_problems(
     model = str(asked.get("model") or "")
     model_path = str(asked.get("model_path") or "")
     export_dir = str(asked.get("export_dir") or "")
-    merged = _flag(asked.get("merged"))
+    merged = as_flag(asked.get("merged"))
     checkpoint = str(asked.get("checkpoint") or "")
     given = [n for n, v in (("run_id", run_id), ("model", model), ("export_dir", export_dir)) if v]
     if len(given) > 1:
@@ -143,7 +142,7 @@ def _source_problems(
         "export_dir": export_dir,
         "merged": merged,
         "checkpoint": checkpoint,
-        "trust_remote_code": _flag(asked.get("trust_remote_code")),
+        "trust_remote_code": as_flag(asked.get("trust_remote_code")),
     }
     return what, problems
 
@@ -374,138 +373,8 @@ def url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-# --------------------------------------------------------------------------------------------
-# Experiment tracking
-# --------------------------------------------------------------------------------------------
-# Per tracker: the module the nodes need, the key it needs (unless its mode keeps it local), and
-# the modes that need no key.
-TRACKERS: dict[str, dict[str, Any]] = {
-    "tensorboard": {"module": "tensorboard", "extra": "tensorboard", "keys": ()},
-    "wandb": {
-        "module": "wandb",
-        "extra": "wandb",
-        "keys": ("WANDB_API_KEY",),
-        "mode": ("WANDB_MODE", ("offline", "disabled", "dryrun")),
-    },
-    "mlflow": {
-        "module": "mlflow",
-        "extra": "mlflow-skinny",
-        "keys": (),
-        "optional": (
-            "MLFLOW_TRACKING_TOKEN",
-            "MLFLOW_TRACKING_USERNAME",
-            "MLFLOW_TRACKING_PASSWORD",
-        ),
-    },
-    "swanlab": {
-        "module": "swanlab",
-        "extra": "swanlab",
-        "keys": ("SWANLAB_API_KEY",),
-        "mode": ("SWANLAB_MODE", ("local", "offline", "disabled")),
-    },
-}
-SECRET_NAME = re.compile(r"(KEY|TOKEN|PASSWORD|SECRET)$")
-
-
-def tracking_plan(
-    report_to: object,
-    environment: Mapping[str, Any] | None = None,
-    secrets_given: Sequence[str] = (),
-    tensorboard: object = False,
-) -> dict[str, Any]:
-    """report_to for train.yaml, the trackers' settings, the keys they need, and their modules.
-
-    `report_to` is a tracker, a comma-separated list or a list (none: no tracking);
-    `tensorboard` (train.yml -e tensorboard=true) adds tensorboard. `environment` holds settings
-    (WANDB_PROJECT, MLFLOW_TRACKING_URI, ...): they go to the run's env file, so a key there is
-    refused. `secrets_given` names the keys that have a value (never the values: the play picks
-    the kept ones, `secret_names`, in a task that prints nothing); a tracker that needs a key
-    (wandb, swanlab online) fails without it.
-    """
-    if isinstance(report_to, str):
-        names = [n.strip() for n in report_to.split(",") if n.strip()]
-    elif isinstance(report_to, Sequence):
-        names = [str(n).strip() for n in report_to]
-    else:
-        names = []
-    names = [n for n in names if n != "none"]
-    if _flag(tensorboard) and "tensorboard" not in names:
-        names.append("tensorboard")
-    problems: list[str] = []
-    unknown = [n for n in names if n not in TRACKERS]
-    if unknown:
-        problems.append(
-            f"report_to {', '.join(unknown)}: use {', '.join(TRACKERS)} (comma-separated for "
-            "several) or none"
-        )
-    env = {str(k): str(v) for k, v in (environment or {}).items()}
-    leaked = sorted(k for k in env if SECRET_NAME.search(k))
-    if leaked:
-        problems.append(
-            f"tracking_environment holds {', '.join(leaked)}: keys go in tracking_secrets (a "
-            "0600 file of the job's user), never in the run's env file"
-        )
-    given = {str(k) for k in secrets_given}
-    kept: list[str] = []
-    for name in names:
-        tracker = TRACKERS.get(name)
-        if tracker is None:
-            continue
-        mode_var, local_modes = tracker.get("mode", ("", ()))
-        local = env.get(mode_var, "").lower() in local_modes
-        for key in tracker["keys"]:
-            if key in given:
-                kept.append(key)
-            elif not local:
-                problems.append(
-                    f"report_to={name} needs {key}: export it on the controller, or set "
-                    f"tracking_secrets.{key} (ansible-vault), or log offline "
-                    f"({mode_var}={local_modes[0]} in tracking_environment)"
-                )
-        kept += [key for key in tracker.get("optional", ()) if key in given]
-    if problems:
-        raise ServeError(
-            "Experiment tracking:\n- " + "\n- ".join(problems) + "\nNothing was changed."
-        )
-    known = [n for n in names if n in TRACKERS]
-    return {
-        "trackers": known,
-        "report_to": (known[0] if len(known) == 1 else known) if known else "none",
-        "environment": env if known else {},
-        "secret_names": sorted(set(kept)),
-        "modules": {TRACKERS[n]["module"]: TRACKERS[n]["extra"] for n in known},
-    }
-
-
-def tracking_train_args(
-    train_args: object, report_to: object = "", tensorboard: object = False
-) -> object:
-    """train_args with report_to as train.yml's -e report_to and -e tensorboard=true ask.
-
-    -e report_to replaces train_args.report_to; -e tensorboard=true adds tensorboard to whatever
-    report_to is then (TensorBoard shows the event files report_to tensorboard writes). Neither
-    given: train_args as it is (training_defaults has report_to: none). train_args that is not a
-    mapping comes back as it is, for the planner to refuse with its own message.
-    """
-    if train_args in (None, ""):
-        train_args = {}
-    if not isinstance(train_args, Mapping):
-        return train_args
-    args = dict(train_args)
-    if report_to not in (None, ""):
-        args["report_to"] = report_to
-    if _flag(tensorboard):
-        current = args.get("report_to", "none")
-        names = current if isinstance(current, list) else str(current).split(",")
-        names = [str(n).strip() for n in names if str(n).strip() not in ("", "none")]
-        if "tensorboard" not in names:
-            names.append("tensorboard")
-        args["report_to"] = names[0] if len(names) == 1 else names
-    return args
-
-
 class FilterModule:
-    """Serving, services and tracking decisions."""
+    """Serving and services decisions."""
 
     def filters(self) -> dict[str, Any]:
         """The filters this plugin provides."""
@@ -518,6 +387,4 @@ class FilterModule:
             "service_controller_address": controller_address,
             "service_url_host": service_url_host,
             "service_url": url,
-            "tracking_plan": tracking_plan,
-            "tracking_train_args": tracking_train_args,
         }

@@ -1,0 +1,19 @@
+"""The run planner: what train.yml runs, decided from the request, the model, every node's GPUs
+and the rules kept as data in group_vars/all/training.yml.
+
+One module per concern, each with its unit tests in tests/test_planner.py:
+
+- `schema`: the numbers a user gives, checked against one schema (`TRAIN_ARGS_SCHEMA`,
+  `RUN_SCHEMA`), and the project's settings the planner reads (`Settings`);
+- `model`: the model from the catalogue, `-e` overrides and its config.json (`model_params`);
+- `nodes`: every node's accelerator, processes and GPU memory from its facts (`describe_nodes`);
+- `memory`: the memory model; `decisions`: the DeepSpeed stage, micro-batch, accumulation,
+  checkpointing and torch.compile it leads to (`choose_stage`, `choose_batch`, `choose_compile`);
+- `rules`: the `when`/`set` profile rules kept as data (`apply_rules`);
+- `assembly`: `plan` puts it together, with the lines shown before launch;
+- `render`: train.yaml's arguments, the dataset registry and the run directory's files;
+- `checkpoints`: the checkpoint a resumed run continues from on every node.
+
+The Jinja filters that call it are plugins/filter/run_config.py. Standard library only; errors
+are `PlanError` (a filter error in Ansible) that say what to change.
+"""

@@ -1,0 +1,262 @@
+"""The plan: the request, the model, the nodes, the decisions and the rules put together
+(`plan`), with the lines shown before launch (`summary`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .decisions import (
+    Batch,
+    BatchRequest,
+    choose_batch,
+    choose_compile,
+    choose_stage,
+    estimate_steps,
+)
+from .errors import TRAINING_FILE, PlanError
+from .memory import GIB, Memory
+from .model import resolve_model
+from .nodes import check_nodes
+from .rules import apply_rules, check_rules
+from .schema import Settings, check_project_settings, check_request
+
+
+def _smallest(nodes: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    gpu = [n for n in nodes if n["gpu_memory_gib"] is not None]
+    return min(gpu, key=lambda n: n["gpu_memory_gib"]) if gpu else None
+
+
+def _stage_and_profile(
+    request: Mapping[str, Any],
+    model: Mapping[str, Any],
+    memory: Memory,
+    facts: dict[str, Any],
+    settings: Settings,
+) -> tuple[str, str, dict[str, Any], list[str]]:
+    """The stage and why; the profile rules' settings (after the stage they may test or set)."""
+    asked = request.get("deepspeed") or "auto"
+    if asked == "auto":
+        stage, why = choose_stage(memory, model["cutoff_len"], facts["accelerator"])
+        why = f"chosen by the rule in {TRAINING_FILE}: {why}"
+    else:
+        stage, why = asked, f"deepspeed={asked} given"
+    facts["deepspeed"] = stage
+    profile, applied = apply_rules(settings.rules, facts)
+    ruled = profile.pop("deepspeed", None)
+    if ruled and asked == "auto":
+        if ruled not in settings.stages:
+            raise PlanError(
+                f"A profile rule in {TRAINING_FILE} sets deepspeed={ruled}; use one of: "
+                f"{', '.join(settings.stages)}."
+            )
+        stage, why = str(ruled), f"set by a profile rule in {TRAINING_FILE}"
+    return stage, why, profile, applied
+
+
+def _training_args(
+    request: Mapping[str, Any],
+    model: Mapping[str, Any],
+    memory: Memory,
+    *,
+    stage: str,
+    explicit: Mapping[str, Any],
+    settings: Settings,
+) -> tuple[dict[str, Any], dict[str, str], Batch]:
+    """The training arguments: defaults < computed (batch, checkpointing, compile) < explicit."""
+    merged = {**settings.defaults, **explicit}
+    decisions = {}
+    computed: dict[str, Any] = {}
+    if memory.budget is None:  # CPU: LLaMA-Factory's defaults and the settings
+        batch = Batch(1, 1, True, "as set: a CPU run has no GPU memory to plan for")
+        decisions["checkpointing"] = "LLaMA-Factory's default on CPUs"
+    else:
+        ckpt = explicit.get("disable_gradient_checkpointing")
+        batch = choose_batch(
+            memory,
+            stage,
+            BatchRequest(
+                cutoff=int(model["cutoff_len"]),
+                tokens_per_step=int(request["tokens_per_step"]),
+                packing=bool(merged.get("packing", False)),
+                micro=explicit.get("per_device_train_batch_size"),
+                accumulation=explicit.get("gradient_accumulation_steps"),
+                checkpointing=None if ckpt is None else not ckpt,
+                default_micro=int(settings.defaults.get("per_device_train_batch_size", 1)),
+                default_accumulation=int(settings.defaults.get("gradient_accumulation_steps", 1)),
+            ),
+        )
+        computed["per_device_train_batch_size"] = batch.micro
+        computed["gradient_accumulation_steps"] = batch.accumulation
+        if not batch.checkpointing:
+            computed["disable_gradient_checkpointing"] = True
+            # Without checkpointing DDP need not search for unused parameters (rule 7).
+            computed["ddp_find_unused_parameters"] = False
+        decisions["checkpointing"] = (
+            "as set"
+            if ckpt is not None
+            else "model shape unknown: no config.json"
+            if memory.shape is None
+            else "the activations would not fit without recomputing them"
+            if batch.checkpointing
+            else "the micro-batch's activations fit without recomputation"
+        )
+    decisions["batch"] = batch.reason
+    steps = estimate_steps(
+        {**merged, **computed, **explicit},
+        records=request.get("dataset_records"),
+        world=memory.world,
+        cutoff=int(model["cutoff_len"]),
+        record_tokens=int(settings.compile["record_tokens"]),
+    )
+    accelerator = "cpu" if memory.budget is None else "gpu"
+    use, why = choose_compile(accelerator, stage, steps, settings.compile)
+    if use:
+        computed["torch_compile"] = True
+    decisions["torch_compile"] = "as set" if "torch_compile" in explicit else why
+    decisions["estimated_steps"] = str(steps)
+    return {**settings.defaults, **computed, **explicit}, decisions, batch
+
+
+def plan(
+    request: Mapping[str, Any],
+    *,
+    nodes: Sequence[Mapping[str, Any]],
+    ranks: Mapping[str, int],
+    datasets: Sequence[Mapping[str, Any]],
+    settings: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The run: what every node renders, why, and the lines shown before launch.
+
+    `settings`: catalogue, defaults, rules, memory, compile and stages (see Settings).
+    """
+    data = Settings(**settings)
+    request = check_request(request, data.catalogue, data.stages)
+    accelerator, nproc, world = check_nodes(nodes)
+    model = resolve_model(request, data.catalogue)
+    check_rules(data.rules)
+    check_project_settings(data, model)
+    smallest = _smallest(nodes)
+    gib = smallest["gpu_memory_gib"] if smallest else None
+    memory = Memory(
+        params=float(model["params_b"]) * 1e9,
+        finetuning=model["finetuning_type"],
+        shape=model["shape"],
+        world=world,
+        coefficients=data.memory,
+        budget=gib * GIB * float(data.memory["usable_fraction"]) if gib else None,
+    )
+    train_args = request["train_args"]
+    facts = {
+        "accelerator": accelerator,
+        "finetuning_type": model["finetuning_type"],
+        "model": request.get("model"),
+        "stage": train_args.get("stage")
+        or (model.get("train_args") or {}).get("stage")
+        or data.defaults.get("stage"),
+        "params_b": float(model["params_b"]),
+        "world_size": world,
+        "nnodes": len(nodes),
+        "gpu_memory_gib": gib,
+        "cutoff_len": model["cutoff_len"],
+    }
+    stage, stage_why, profile, applied = _stage_and_profile(request, model, memory, facts, data)
+    explicit = {**profile, **(model.get("train_args") or {}), **train_args}
+    explicit.pop("cutoff_len", None)  # model.cutoff_len holds it
+    args, decisions, batch = _training_args(
+        request, model, memory, stage=stage, explicit=explicit, settings=data
+    )
+    decisions["deepspeed"] = stage_why
+    micro = int(args.get("per_device_train_batch_size", 1))
+    accumulation = int(args.get("gradient_accumulation_steps", 1))
+    tokens = micro * accumulation * int(model["cutoff_len"])
+    result = {
+        "run_id": request.get("resume_id")
+        or f"train-{request.get('timestamp', 'now')}-"
+        + re.sub(r"[^A-Za-z0-9_-]+", "-", str(request.get("model") or "model")),
+        "resume": bool(request.get("resume_id")),
+        "model_name": request.get("model"),
+        "model": model,
+        "datasets": list(datasets),
+        "deepspeed": stage,
+        "accelerator": accelerator,
+        "nnodes": len(nodes),
+        "nproc_per_node": nproc,
+        "world_size": world,
+        "effective_batch": micro * accumulation * world,
+        "tokens_per_step": tokens,
+        "tokens_per_optimizer_step": tokens * world,
+        "packing": bool(args.get("packing", False)),
+        "gradient_checkpointing": not args.get("disable_gradient_checkpointing", False),
+        "torch_compile": bool(args.get("torch_compile", False)),
+        "gpu_memory_gib": gib,
+        "memory_budget_gib": round(memory.budget / GIB, 1) if memory.budget else None,
+        "memory_estimate_gib": round(batch.need / GIB, 1) if batch.need else None,
+        "nodes": {
+            n["host"]: {"gpu_memory_gib": n["gpu_memory_gib"], "memory_source": n["memory_source"]}
+            for n in nodes
+        },
+        "max_restarts": int(request.get("max_restarts") or 0),
+        "train_args": args,
+        "ranks": dict(ranks),
+        "rules_applied": applied,
+        "decisions": decisions,
+    }
+    result["summary"] = summary(result, smallest)
+    return result
+
+
+def _count(params_b: float) -> str:
+    """7.62B, 494M, 11,152: a parameter count as people write it."""
+    params = params_b * 1e9
+    if params >= 1e9:
+        return f"{params_b:g}B"
+    return f"{params / 1e6:.0f}M" if params >= 1e6 else f"{params:,.0f}"
+
+
+def summary(plan: Mapping[str, Any], smallest: Mapping[str, Any] | None) -> list[str]:
+    """The lines train.yml shows before it touches a node."""
+    model = plan["model"]
+    args = plan["train_args"]
+    lines = [
+        f"Run {plan['run_id']}: {plan['model_name']} ({model['path']}), "
+        f"{model['finetuning_type']}, {_count(model['params_b'])} parameters "
+        f"({model['params_source']})"
+        + (
+            "; trust_remote_code: the model's own code from its repository runs on every node"
+            if model["trust_remote_code"]
+            else ""
+        ),
+        f"Nodes {plan['nnodes']} x {plan['nproc_per_node']} processes = world size "
+        f"{plan['world_size']} ({plan['accelerator']})",
+        f"Effective batch {plan['effective_batch']} = per-device "
+        f"{args.get('per_device_train_batch_size')} x accumulation "
+        f"{args.get('gradient_accumulation_steps')} x world size {plan['world_size']}"
+        f" ({plan['decisions']['batch']})",
+        f"Tokens per optimizer step: {plan['tokens_per_step']} per process x {plan['world_size']}"
+        f" = {plan['tokens_per_optimizer_step']} "
+        + (
+            f"(packed rows of {model['cutoff_len']} tokens)"
+            if plan["packing"]
+            else f"(at most: samples of up to {model['cutoff_len']} tokens, padded)"
+        ),
+        f"DeepSpeed: {plan['deepspeed']} ({plan['decisions']['deepspeed']})",
+        f"Gradient checkpointing: {'on' if plan['gradient_checkpointing'] else 'off'} "
+        f"({plan['decisions']['checkpointing']})",
+        f"Packing: {'on' if plan['packing'] else 'off'}; torch.compile: "
+        f"{'on' if plan['torch_compile'] else 'off'} ({plan['decisions']['torch_compile']})",
+    ]
+    if smallest is not None:
+        lines.append(
+            f"GPU memory planned for: {plan['gpu_memory_gib']} GiB per GPU (smallest node: "
+            f"{smallest['host']}, {smallest['memory_source']}); budget "
+            f"{plan['memory_budget_gib']} GiB, estimated need "
+            f"{plan['memory_estimate_gib'] if plan['memory_estimate_gib'] else 'unknown'} GiB"
+        )
+    lines.append(f"Restarts after a failure: at most {plan['max_restarts']}")
+    lines.append("Datasets: " + ", ".join(d.get("name", "") for d in plan["datasets"]))
+    if plan["rules_applied"]:
+        lines.append("Profile rules applied: " + "; ".join(plan["rules_applied"]))
+    return lines

@@ -1,0 +1,164 @@
+"""The decisions the memory model and the run length make: the DeepSpeed stage, the micro-batch
+and accumulation, and torch.compile (`choose_stage`, `choose_batch`, `choose_compile`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import PlanError
+from .memory import Memory, gib_text
+
+STAGE_ORDER = {
+    # Never ZeRO-3 while a smaller stage fits: it gathers every layer's weights over the network
+    # on every step (BENCHMARKS.md rule 8). ZeRO-2 shards nothing a LoRA run holds a lot of.
+    "full": ("none", "zero2", "zero3", "zero3_offload"),
+    "lora": ("none", "zero3", "zero3_offload"),
+    "freeze": ("none", "zero3", "zero3_offload"),
+}
+
+
+def choose_stage(memory: Memory, cutoff: int, accelerator: str) -> tuple[str, str]:
+    """The DeepSpeed stage for `deepspeed=auto`, and why.
+
+    The first stage of STAGE_ORDER whose state plus one checkpointed row of cutoff_len tokens
+    (the smallest micro-batch any plan can use) fits the budget.
+    """
+    if accelerator == "cpu" or memory.budget is None:
+        return "none", "CPU cluster: plain DDP over gloo"
+    skipped = []
+    for stage in STAGE_ORDER[memory.finetuning]:
+        need = memory.need(stage, cutoff, checkpointing=True)
+        if need <= memory.budget:
+            why = (
+                f"{gib_text(need)} needed at the smallest micro-batch, "
+                f"budget {gib_text(memory.budget)}"
+            )
+            return stage, why + ("; " + ", ".join(skipped) + " would not fit" if skipped else "")
+        skipped.append(f"{stage} ({gib_text(need)})")
+    raise PlanError(
+        f"The model does not fit the GPUs even with ZeRO-3 and CPU offload: one row of "
+        f"cutoff_len={cutoff} tokens needs {gib_text(need)} per GPU, the budget is "
+        f"{gib_text(memory.budget)}. Lower cutoff_len (-e cutoff_len=...)."
+    )
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    """What the batch rule starts from; None where nobody set the value."""
+
+    cutoff: int
+    tokens_per_step: int
+    packing: bool
+    micro: int | None = None
+    accumulation: int | None = None
+    checkpointing: bool | None = None
+    default_micro: int = 1
+    default_accumulation: int = 1
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Micro-batch, accumulation and checkpointing, why, and the memory they need."""
+
+    micro: int
+    accumulation: int
+    checkpointing: bool
+    reason: str
+    need: float | None = None
+
+
+def choose_batch(memory: Memory, stage: str, ask: BatchRequest) -> Batch:
+    """Micro-batch and accumulation from the tokens per step, and checkpointing from memory.
+
+    With packing a micro-batch is rows of cutoff_len tokens: rows = tokens_per_step / cutoff_len
+    per GPU per optimizer step (BENCHMARKS.md rule 2), split into the largest micro-batch that
+    fits without gradient checkpointing (rule 3), else the largest that fits with it. Values
+    set by the user, a rule or the catalogue are kept. Without packing the micro-batch and
+    accumulation come from the settings, and checkpointing still follows memory.
+    """
+    options = [ask.checkpointing] if ask.checkpointing is not None else [False, True]
+    rows = max(1, _round(ask.tokens_per_step / ask.cutoff))
+    if not ask.packing or (ask.micro and ask.accumulation):
+        micro = ask.micro or ask.default_micro
+        accumulation = ask.accumulation or ask.default_accumulation
+        why = "as set" if ask.micro or ask.accumulation else "training_defaults: no packing"
+        candidates = [(micro, accumulation)]
+    else:
+        why = f"{rows} packed rows of {ask.cutoff} tokens per process per step"
+        if ask.micro:
+            micros = [ask.micro]
+        elif ask.accumulation:
+            micros = list(range(max(1, _round(rows / ask.accumulation)), 0, -1))
+        else:  # divisors of rows, largest first: the tokens per step stay exactly as asked
+            micros = [m for m in range(rows, 0, -1) if rows % m == 0]
+        candidates = [(m, ask.accumulation or max(1, _round(rows / m))) for m in micros]
+    if memory.shape is None:  # activations unknown: the smallest micro-batch, recomputed
+        micro, accumulation = candidates[-1]
+        why += "; model shape unknown (no config.json): smallest micro-batch"
+        return Batch(micro, accumulation, options[-1], why, memory.state(stage))
+    for checkpointing in options:
+        for micro, accumulation in candidates:
+            if memory.fits(stage, micro * ask.cutoff, checkpointing):
+                need = memory.need(stage, micro * ask.cutoff, checkpointing)
+                if len(candidates) > 1:
+                    why += (
+                        f"; {micro} per micro-batch, the most that fit "
+                        + ("with" if checkpointing else "without")
+                        + " gradient checkpointing"
+                    )
+                return Batch(micro, accumulation, checkpointing, why, need)
+    micro = candidates[-1][0]
+    raise PlanError(
+        f"The run does not fit the GPUs: deepspeed={stage} with a micro-batch of {micro} x "
+        f"{ask.cutoff} tokens needs about {gib_text(memory.need(stage, micro * ask.cutoff, True))} "
+        f"per GPU even with gradient checkpointing, and the budget is {gib_text(memory.budget)}. "
+        "Use deepspeed=auto, a smaller per_device_train_batch_size or cutoff_len, or more GPUs."
+    )
+
+
+def _round(value: float) -> int:
+    """Round half up (2.5 -> 3), unlike round()."""
+    return math.floor(value + 0.5)
+
+
+def estimate_steps(
+    args: Mapping[str, Any], *, records: int | None, world: int, cutoff: int, record_tokens: int
+) -> int | None:
+    """Optimizer steps of the run: max_steps, else epochs x records / records per step.
+
+    With packing a row of cutoff_len holds about cutoff_len / record_tokens records.
+    """
+    max_steps = int(args.get("max_steps") or -1)
+    if max_steps > 0:
+        return max_steps
+    if records is None:
+        return None
+    if args.get("max_samples"):
+        records = min(records, int(args["max_samples"]))
+    per_row = max(1.0, cutoff / record_tokens) if args.get("packing") else 1.0
+    micro = int(args.get("per_device_train_batch_size", 1))
+    per_step = micro * int(args.get("gradient_accumulation_steps", 1)) * world * per_row
+    return int(float(args.get("num_train_epochs", 1)) * math.ceil(records / per_step))
+
+
+def choose_compile(
+    accelerator: str, stage: str, steps: int | None, settings: Mapping[str, Any]
+) -> tuple[bool, str]:
+    """torch.compile when the run is long enough to repay its compilation; never on CPUs."""
+    if accelerator == "cpu":
+        return False, "never on CPUs"
+    if stage != "none":
+        return False, "measured with plain DDP only, not with DeepSpeed or FSDP"
+    minimum = int(settings["min_optimizer_steps"])
+    if steps is None:
+        return False, "run length unknown: no max_steps and no dataset record count"
+    if steps < minimum:
+        return False, f"about {steps} optimizer steps, fewer than the {minimum} that repay it"
+    return (
+        True,
+        f"about {steps} optimizer steps repay ~{settings['compile_seconds']} s of compiling",
+    )

@@ -1,0 +1,147 @@
+"""The nodes: accelerator, processes and GPU memory of every node, from the inventory and each
+node's facts (`describe_nodes`); the plan is made for the smallest node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .errors import PlanError
+from .schema import AT_LEAST_1, POSITIVE, show
+
+
+def _get(mapping: Any, key: str, default: Any = None) -> Any:  # noqa: ANN401 - Ansible's hostvars
+    return mapping.get(key, default) if isinstance(mapping, Mapping) else default
+
+
+def local_facts(hostvars: Any) -> Mapping[str, Any]:  # noqa: ANN401 - Ansible's hostvars
+    """The node's llama_host local fact (roles/host_facts), from gathering or the fact cache."""
+    facts = _get(hostvars, "ansible_local")
+    if not isinstance(facts, Mapping):
+        gathered = _get(hostvars, "ansible_facts", {}) or {}
+        facts = _get(gathered, "local") or _get(gathered, "ansible_local") or {}
+    return _get(facts, "llama_host", {}) or {}
+
+
+def node_accelerator(hostvars: Any) -> str:  # noqa: ANN401 - Ansible's hostvars
+    """The node's cluster_accelerator (nvidia unless the inventory says otherwise)."""
+    return str(_get(hostvars, "cluster_accelerator", "nvidia") or "nvidia")
+
+
+def cluster_accelerator(hosts: Sequence[str], hostvars: Any) -> str:  # noqa: ANN401
+    """The one accelerator every node trains on; raises naming the nodes when they disagree."""
+    seen: dict[str, list[str]] = {}
+    for host in hosts:
+        seen.setdefault(node_accelerator(hostvars[host]), []).append(host)
+    if len(seen) > 1:
+        raise PlanError(cluster_accelerator_message(seen))
+    return next(iter(seen)) if seen else "nvidia"
+
+
+def hosts_without_gpu_facts(hosts: Sequence[str], hostvars: Any) -> list[str]:  # noqa: ANN401
+    """GPU nodes whose facts are neither gathered nor cached: validate.yml reads them first."""
+    return [
+        host
+        for host in hosts
+        if node_accelerator(hostvars[host]) != "cpu"
+        and not isinstance(local_facts(hostvars[host]).get("gpus"), list)
+    ]
+
+
+def node_gpu_memory(host: str, hostvars: Any) -> tuple[float | None, str]:  # noqa: ANN401
+    """GiB of the smallest GPU this node trains on (gpu_ids), and where the figure came from."""
+    if node_accelerator(hostvars) == "cpu":
+        return None, "CPU node"
+    gpus = [g for g in local_facts(hostvars).get("gpus") or [] if isinstance(g, Mapping)]
+    wanted = _get(hostvars, "gpu_ids")
+    if wanted and gpus:
+        indexes = [g.get("index") for g in gpus]
+        missing = [i for i in wanted if i not in indexes]
+        if missing:
+            raise PlanError(
+                f"{host}: gpu_ids {list(wanted)} name GPUs {missing} that the node does not have "
+                f"(its facts list GPUs {indexes}). Fix gpu_ids in the inventory."
+            )
+        gpus = [g for g in gpus if g.get("index") in wanted]
+    sizes = [int(g["memory_mib"]) for g in gpus if g.get("memory_mib")]
+    if sizes:
+        which = "GPU" if len(sizes) == 1 else f"smallest of {len(sizes)} GPUs"
+        return round(min(sizes) / 1024, 1), f"facts, {which}"
+    fallback = _get(hostvars, "training_gpu_memory_gib")
+    try:
+        gib = POSITIVE.coerce(fallback)
+    except (ValueError, TypeError):
+        raise PlanError(
+            f"{host}: its facts report no GPU memory (no driver loaded, or provision.yml has not "
+            f"run there) and training_gpu_memory_gib = {show(fallback)} is not a number > 0. "
+            "Run provision.yml, or set training_gpu_memory_gib to the GPUs' memory in GiB."
+        ) from None
+    return float(gib), "training_gpu_memory_gib (the facts report no GPU memory)"
+
+
+def describe_nodes(
+    ranks: Mapping[str, int],
+    hostvars: Any,  # noqa: ANN401 - Ansible's hostvars
+    nprocs: Mapping[str, Any],
+) -> list[dict[str, Any]]:
+    """Every node in rank order: host, rank, accelerator, processes, GPU memory and its source."""
+    nodes = []
+    for host, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        gib, source = node_gpu_memory(host, hostvars[host])
+        nodes.append(
+            {
+                "host": host,
+                "rank": int(rank),
+                "accelerator": node_accelerator(hostvars[host]),
+                "nproc": nprocs[host],
+                "gpu_memory_gib": gib,
+                "memory_source": source,
+            }
+        )
+    return nodes
+
+
+def check_nodes(nodes: Sequence[Mapping[str, Any]]) -> tuple[str, int, int]:
+    """The accelerator, processes per node and world size; raises on what cannot be planned."""
+    if not nodes:
+        raise PlanError("The inventory has no hosts in the group 'cluster'.")
+    accelerators = {}
+    for node in nodes:
+        accelerators.setdefault(node["accelerator"], []).append(node["host"])
+    if len(accelerators) > 1:
+        raise PlanError(cluster_accelerator_message(accelerators))
+    bad = [f"{n['host']}: {show(n['nproc'])}" for n in nodes if not _is_count(n["nproc"])]
+    if bad:
+        raise PlanError(
+            f"nproc_per_node must be an integer >= 1 (got {', '.join(bad)}): it is the number of "
+            "training processes on the node, one per GPU it trains on."
+        )
+    counts = {int(n["nproc"]) for n in nodes}
+    if len(counts) > 1:
+        listed = ", ".join(f"{n['host']}: {n['nproc']}" for n in nodes)
+        raise PlanError(
+            f"Nodes run different numbers of processes ({listed}). torchrun's static rendezvous "
+            "needs the same nproc_per_node on every node: set nproc_per_node (or gpu_ids) so that "
+            "they match, or leave the smaller nodes out of the cluster group."
+        )
+    nproc = counts.pop()
+    return next(iter(accelerators)), nproc, nproc * len(nodes)
+
+
+def cluster_accelerator_message(accelerators: Mapping[str, list[str]]) -> str:
+    """The refusal for nodes that disagree on cluster_accelerator."""
+    found = "; ".join(f"{acc} on {', '.join(hosts)}" for acc, hosts in sorted(accelerators.items()))
+    return (
+        f"The nodes disagree on cluster_accelerator ({found}). One run trains on one kind of "
+        "device: set cluster_accelerator once for the whole cluster group, or fix the host "
+        "variables of the nodes that differ."
+    )
+
+
+def _is_count(value: Any) -> bool:  # noqa: ANN401 - any user value
+    try:
+        AT_LEAST_1.coerce(value)
+    except (ValueError, TypeError):
+        return False
+    return True

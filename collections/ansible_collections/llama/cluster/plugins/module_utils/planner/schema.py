@@ -1,0 +1,291 @@
+"""The numbers a user can give: one schema for LLaMA-Factory's training arguments and the
+run's own inputs, and one message listing every bad value (`check_request`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import CATALOGUE_FILE, TRAINING_FILE, PlanError
+
+FINETUNING_TYPES = ("lora", "freeze", "full")
+LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target")
+
+
+@dataclass(frozen=True)
+class Number:
+    """An integer or a real number in a range; `extra` are values allowed outside it."""
+
+    integer: bool
+    low: float | None = None
+    low_open: bool = False
+    high: float | None = None
+    high_open: bool = False
+    extra: tuple[int, ...] = ()
+    note: str = ""
+
+    def describe(self) -> str:
+        """What is allowed, in words."""
+        kind = "an integer" if self.integer else "a number"
+        if self.low is not None and self.high is not None:
+            left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
+            text = f"{kind} in {left}{_num(self.low)}, {_num(self.high)}{right}"
+        elif self.low is not None:
+            text = f"{kind} {'>' if self.low_open else '>='} {_num(self.low)}"
+        else:
+            text = kind
+        if self.extra:
+            text += " or " + " or ".join(str(x) for x in self.extra)
+        return text + (f" ({self.note})" if self.note else "")
+
+    def coerce(self, value: Any) -> int | float:  # noqa: ANN401 - any user value
+        """The value as a number of this kind; ValueError when it is not one in range."""
+        number = _as_number(value)
+        if self.integer:
+            if number != int(number):
+                raise ValueError
+            number = int(number)
+        if number in self.extra:
+            return number
+        if self.low is not None and (number < self.low or (self.low_open and number == self.low)):
+            raise ValueError
+        if self.high is not None and (
+            number > self.high or (self.high_open and number == self.high)
+        ):
+            raise ValueError
+        return number
+
+
+@dataclass(frozen=True)
+class Flag:
+    """true or false (also "true"/"false"/"yes"/"no" as -e key=value gives them)."""
+
+    def describe(self) -> str:
+        """What is allowed, in words."""
+        return "true or false"
+
+    def coerce(self, value: Any) -> bool:  # noqa: ANN401 - any user value
+        """The value as a bool; ValueError when it is none."""
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("true", "yes", "false", "no"):
+            return value.strip().lower() in ("true", "yes")
+        raise ValueError
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if value == int(value) else str(value)
+
+
+def _as_number(value: Any) -> float:  # noqa: ANN401 - any user value
+    if isinstance(value, bool) or value is None:
+        raise ValueError
+    if isinstance(value, int | float):
+        number = float(value)
+    elif isinstance(value, str) and value.strip():
+        number = float(value.strip())
+    else:
+        raise ValueError
+    if not math.isfinite(number):
+        raise ValueError
+    return number
+
+
+POSITIVE = Number(integer=False, low=0, low_open=True)
+AT_LEAST_1 = Number(integer=True, low=1)
+AT_LEAST_0 = Number(integer=True, low=0)
+FRACTION = Number(integer=False, low=0, high=1, high_open=True)
+
+# LLaMA-Factory training arguments (train_args) that are numbers or flags. Keys not listed pass
+# through to LLaMA-Factory unchecked, which validates them itself when the run starts.
+TRAIN_ARGS_SCHEMA: dict[str, Number | Flag] = {
+    "learning_rate": POSITIVE,
+    "num_train_epochs": POSITIVE,
+    "max_steps": Number(integer=True, low=1, extra=(-1,), note="-1: train num_train_epochs"),
+    "per_device_train_batch_size": AT_LEAST_1,
+    "per_device_eval_batch_size": AT_LEAST_1,
+    "gradient_accumulation_steps": AT_LEAST_1,
+    "logging_steps": AT_LEAST_1,
+    "save_steps": AT_LEAST_1,
+    "eval_steps": AT_LEAST_1,
+    "save_total_limit": AT_LEAST_1,
+    "warmup_ratio": FRACTION,
+    "warmup_steps": AT_LEAST_0,
+    "weight_decay": Number(integer=False, low=0),
+    "max_grad_norm": Number(integer=False, low=0, note="0: no clipping"),
+    "adam_beta1": FRACTION,
+    "adam_beta2": FRACTION,
+    "adam_epsilon": POSITIVE,
+    "lora_rank": AT_LEAST_1,
+    "lora_alpha": AT_LEAST_1,
+    "lora_dropout": FRACTION,
+    "cutoff_len": AT_LEAST_1,
+    "max_samples": AT_LEAST_1,
+    "seed": AT_LEAST_0,
+    "ddp_timeout": AT_LEAST_1,
+    "preprocessing_num_workers": AT_LEAST_1,
+    "dataloader_num_workers": AT_LEAST_0,
+    **{
+        key: Flag()
+        for key in (
+            "bf16",
+            "fp16",
+            "pure_bf16",
+            "packing",
+            "neat_packing",
+            "plot_loss",
+            "overwrite_output_dir",
+            "overwrite_cache",
+            "disable_gradient_checkpointing",
+            "torch_compile",
+            "enable_liger_kernel",
+            "save_only_model",
+            "save_on_each_node",
+            "ddp_find_unused_parameters",
+        )
+    },
+}
+
+# The run's own inputs (-e name=value): schema, where the user sets it, and the value when it
+# is not given (None or ""); a default of None means "unknown" (MISSING: required).
+MISSING = object()
+RUN_SCHEMA: dict[str, tuple[Number | Flag, str, Any]] = {
+    "cutoff_len": (
+        Number(integer=True, low=1, extra=(0,), note="0: the catalogue's"),
+        "-e cutoff_len",
+        0,
+    ),
+    "tokens_per_step": (AT_LEAST_1, "-e tokens_per_step (training_tokens_per_step)", MISSING),
+    "max_restarts": (AT_LEAST_0, "-e max_restarts", 0),
+    "model_params_b": (POSITIVE, "-e model_params_b (billions of parameters)", None),
+    "dataset_records": (AT_LEAST_0, "run_config_dataset_records", None),
+    "trust_remote_code": (Flag(), "-e trust_remote_code", False),
+}
+
+
+def _bad(where: str, value: Any, spec: Number | Flag) -> str:  # noqa: ANN401 - any user value
+    return f"{where} = {show(value)} (must be {spec.describe()})"
+
+
+def show(value: Any) -> str:  # noqa: ANN401 - any user value
+    """The value as the user wrote it: text quoted, unless it reads as a number."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            return repr(value)
+    return str(value)
+
+
+def check_train_args(
+    train_args: Any,  # noqa: ANN401 - user data
+    where: str = "train_args",
+) -> tuple[dict[str, Any], list[str]]:
+    """train_args with its numbers and flags coerced, and a problem for each bad one."""
+    if not isinstance(train_args, Mapping):
+        return {}, [
+            "train_args must be a mapping of LLaMA-Factory arguments, e.g. "
+            '-e \'{"train_args": {"learning_rate": 5.0e-5, "num_train_epochs": 1}}\''
+        ]
+    checked, problems = {}, []
+    for key, value in train_args.items():
+        spec = TRAIN_ARGS_SCHEMA.get(str(key))
+        if spec is None:
+            checked[str(key)] = value
+            continue
+        try:
+            checked[str(key)] = spec.coerce(value)
+        except (ValueError, TypeError):
+            problems.append(_bad(f"{where}.{key}", value, spec))
+    return checked, problems
+
+
+def check_project_settings(settings: Settings, model: Mapping[str, Any]) -> None:
+    """The training arguments the project's own data sets pass the same schema as the user's."""
+    sources = [
+        (f"training_defaults ({TRAINING_FILE})", settings.defaults),
+        (f"{CATALOGUE_FILE} train_args of the model", model.get("train_args") or {}),
+    ] + [
+        (f"the `set` of profile rule {rule.get('name', '')!r} ({TRAINING_FILE})", rule["set"])
+        for rule in settings.rules
+    ]
+    problems = [bad for where, args in sources for bad in check_train_args(args, where)[1]]
+    if problems:
+        raise PlanError(
+            "The project's settings hold values LLaMA-Factory would refuse:\n- "
+            + "\n- ".join(problems)
+        )
+
+
+def check_request(
+    request: Mapping[str, Any],
+    catalogue: Mapping[str, Any],
+    stages: Sequence[str],
+) -> dict[str, Any]:
+    """The request with its numbers coerced; raises one PlanError listing every problem.
+
+    `request` holds what train.yml passes to the validate entry point (model, model_path, ...,
+    train_args, cutoff_len, tokens_per_step, max_restarts, model_params_b, dataset_records,
+    trust_remote_code, deepspeed).
+    """
+    out = dict(request)
+    problems: list[str] = []
+    name = str(request.get("model") or "")
+    if name not in catalogue and not request.get("model_path"):
+        head = f"Unknown model {_quote(name)}" if name else "No model given"
+        problems.append(
+            f"{head}. Known models: {', '.join(sorted(catalogue))} ({CATALOGUE_FILE}). "
+            "Use -e model=<one of these>, or give your own with -e model=<name> "
+            "-e model_path=<hub id or path on every node> -e model_template=<template>"
+        )
+    deepspeed = str(request.get("deepspeed") or "auto")
+    if deepspeed not in [*stages, "auto"]:
+        problems.append(
+            f"Unknown deepspeed={_quote(deepspeed)}. Use one of: auto, {', '.join(stages)}"
+        )
+    finetuning = request.get("finetuning_type") or ""
+    if finetuning and finetuning not in FINETUNING_TYPES:
+        problems.append(
+            f"finetuning_type = {show(finetuning)} (must be one of {', '.join(FINETUNING_TYPES)})"
+        )
+    out["train_args"], bad_args = check_train_args(request.get("train_args", {}))
+    problems += bad_args
+    for key, (spec, where, default) in RUN_SCHEMA.items():
+        value = request.get(key)
+        if value in (None, "") and default is not MISSING:
+            out[key] = default
+            continue
+        try:
+            out[key] = spec.coerce(value)
+        except (ValueError, TypeError):
+            problems.append(_bad(where, value, spec))
+    if not isinstance(request.get("model_config") or {}, Mapping):
+        problems.append("run_config_model_config must be the parsed config.json (a mapping)")
+    if problems:
+        raise PlanError(
+            "The request cannot be planned:\n- "
+            + "\n- ".join(problems)
+            + "\nFix these and run again; nothing was changed on any node."
+        )
+    return out
+
+
+def _quote(value: str) -> str:
+    return '"' + value.replace('"', '\\"') + '"'
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The project's data the planner reads (group_vars/all/training.yml, models.yml)."""
+
+    catalogue: Mapping[str, Any]
+    defaults: Mapping[str, Any]
+    rules: Sequence[Mapping[str, Any]]
+    memory: Mapping[str, Any]
+    compile: Mapping[str, Any]
+    stages: Sequence[str]
