@@ -3,13 +3,13 @@ by scripts/lock-node-env.py, and agreeing on the packages every node must share.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import yaml
-from sources import load
 
 PROJECT = Path(__file__).resolve().parents[1]
 SCRIPT = PROJECT / "scripts/lock-node-env.py"
@@ -29,7 +29,17 @@ SHARED = (
 )
 
 
-lock = load(SCRIPT, "lock_node_env")
+def _script() -> object:
+    """The lock script (a file with a dash in its name, not a module), executed once."""
+    spec = importlib.util.spec_from_file_location("lock_node_env", SCRIPT)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+lock = _script()
 INPUTS = lock.load_inputs()
 
 
