@@ -31,7 +31,25 @@ from llama_runner.events import (
 from llama_runner.results import HostStats, RunResult, RunStatus, TrainProgress, TrainSummary
 from llama_runner.status import parse_status
 
-PROJECT_DIR = Path(__file__).resolve().parents[1]
+
+
+def find_project_dir() -> Path:
+    """The llama-cluster checkout to drive: $LLAMA_CLUSTER_DIR, else the tree this package sits in
+    (a checkout, or `pip install -e .`), else the current directory or the nearest one above it
+    that holds train.yml and ansible.cfg (the `llama-cluster` command of `pip install .`, run
+    inside a checkout). Where none is found, the current directory (Cluster says what is missing).
+    """
+    given = os.environ.get("LLAMA_CLUSTER_DIR")
+    if given:
+        return Path(given).expanduser().resolve()
+    here = Path.cwd().resolve()
+    for candidate in (Path(__file__).resolve().parents[1], here, *here.parents):
+        if (candidate / "train.yml").is_file() and (candidate / "ansible.cfg").is_file():
+            return candidate
+    return here
+
+
+PROJECT_DIR = find_project_dir()
 DEFAULT_INVENTORY = PROJECT_DIR / "inventory" / "lab.yml"
 DEFAULT_PRIVATE_DATA_DIR = PROJECT_DIR / ".runner"
 DEFAULT_KEEP_ARTIFACTS = 20
@@ -102,6 +120,11 @@ class Cluster:
             raise InvalidInput("keep_artifacts must be at least 1")
         _find_ansible_next_to_python()
         self.project_dir = Path(project_dir).resolve()
+        if not (self.project_dir / "train.yml").is_file():
+            raise InvalidInput(
+                f"{self.project_dir} is not a llama-cluster checkout (no train.yml): run inside "
+                "one, or set LLAMA_CLUSTER_DIR=<checkout>"
+            )
         self.inventory = Path(inventory or DEFAULT_INVENTORY).resolve()
         self.private_data_dir = Path(
             private_data_dir or self.project_dir / DEFAULT_PRIVATE_DATA_DIR.name

@@ -302,7 +302,7 @@ def _parse_assignments(pairs: Iterable[str]) -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of train_runner.py."""
-    parser = argparse.ArgumentParser(prog="train_runner.py", description=DESCRIPTION, epilog=EPILOG)
+    parser = argparse.ArgumentParser(prog="llama-cluster", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("-i", "--inventory", help=f"inventory file (default: {DEFAULT_INVENTORY})")
     parser.add_argument(
         "--private-data-dir",
@@ -375,12 +375,15 @@ def main(argv: list[str] | None = None) -> int:
         format="%(message)s",
         handlers=[RichHandler(console=console, show_path=False)],
     )
-    cluster = Cluster(
-        args.inventory,
-        private_data_dir=args.private_data_dir,
-        verbosity=args.verbose,
-        quiet=not args.raw,
-    )
+    try:
+        cluster = Cluster(
+            args.inventory,
+            private_data_dir=args.private_data_dir,
+            verbosity=args.verbose,
+            quiet=not args.raw,
+        )
+    except RunnerError as exc:
+        return _report_error(console, exc)
     view = ConsoleView(console)
     if not args.raw:
         cluster.on_event = view.on_event

@@ -1,0 +1,406 @@
+"""The command line: argparse for the commands, rich for the live view and the reports."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import signal
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import yaml
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.logging import RichHandler
+from rich.panel import Panel
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
+from rich.table import Table
+from rich.text import Text
+
+from llama_runner.api import DEFAULT_INVENTORY, DEFAULT_PRIVATE_DATA_DIR, Cluster
+from llama_runner.errors import (
+    EXIT_OK,
+    HostUnreachable,
+    InvalidInput,
+    PlaybookFailed,
+    RunInterrupted,
+    RunnerError,
+    exit_code,
+)
+from llama_runner.events import failure_message
+from llama_runner.results import Event, RunResult, RunStatus, TrainProgress, TrainSummary
+
+DESCRIPTION = "llama-cluster's playbooks as commands: a live view of each run, a report at its end."
+EPILOG = "exit codes: 0 ok, 1 playbook failed, 2 bad input, 3 host unreachable, 130 interrupted"
+
+
+# --------------------------------------------------------------------------------------------
+# The live view
+# --------------------------------------------------------------------------------------------
+@dataclass
+class _HostRow:
+    ok: int = 0
+    changed: int = 0
+    failed: int = 0
+    unreachable: int = 0
+    skipped: int = 0
+    task: str = ""
+    state: str = ""
+
+
+class ConsoleView:
+    """Shows a run on a rich console: plays, per-host task progress, the training bar."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.rows: dict[str, _HostRow] = {}
+        self.play = ""
+        self.lock = threading.Lock()
+        self.bar = Progress(
+            TextColumn("[bold]training"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("steps  loss {task.fields[loss]}  ETA {task.fields[eta]}"),
+            console=console,
+        )
+        self.bar_task: TaskID | None = None
+        self.last_key: str | None = None
+        self.note = ""
+        self.live = Live(
+            console=console, get_renderable=self.render, refresh_per_second=4, transient=True
+        )
+
+    def __enter__(self) -> ConsoleView:
+        self.live.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.live.stop()
+
+    def on_event(self, event: Event) -> None:
+        """Cluster's on_event: a play line, the host table, failures as they happen."""
+        with self.lock:
+            self._update(event)
+
+    def on_progress(self, progress: TrainProgress) -> None:
+        """Cluster's on_progress: the training bar (a line per step when not on a terminal)."""
+        with self.lock:
+            self._show_progress(progress)
+
+    def _update(self, event: Event) -> None:
+        kind = event.get("event", "")
+        data = event.get("event_data", {})
+        host = data.get("host")
+        res = data.get("res") or {}
+        row = self.rows.setdefault(host, _HostRow()) if host else None
+        if kind == "playbook_on_play_start" and data.get("play", "") != self.play:
+            self.play = data.get("play", "")
+            self.console.print(Text.assemble(("PLAY ", "bold blue"), self.play))
+        elif row is None:
+            return
+        elif kind == "runner_on_start":
+            row.task, row.state = data.get("task", ""), "running"
+        elif kind == "runner_on_ok":
+            row.ok += 1
+            row.changed += bool(res.get("changed"))
+            row.state = "changed" if res.get("changed") else "ok"
+        elif kind == "runner_on_skipped":
+            row.skipped += 1
+            row.state = "skipped"
+        elif kind == "runner_on_failed":
+            ignored = data.get("ignore_errors")
+            row.failed += not ignored
+            row.state = "failed (ignored)" if ignored else "failed"
+            if not ignored:
+                line = f"{host} | {data.get('task')}: {failure_message(res)}"
+                self.console.print(Text.assemble(("FAILED ", "bold red"), line))
+        elif kind == "runner_on_unreachable":
+            row.unreachable += 1
+            row.state = "unreachable"
+            line = f"{host}: {failure_message(res)}"
+            self.console.print(Text.assemble(("UNREACHABLE ", "bold red"), line))
+
+    def _show_progress(self, progress: TrainProgress) -> None:
+        where = f"[{progress.host}] " if progress.host else ""
+        self.note = f"{where}{progress.text}"
+        if progress.total_steps and self.bar_task is None:
+            self.bar_task = self.bar.add_task(
+                "train", total=progress.total_steps, loss="-", eta="-"
+            )
+        loss = f"{progress.loss:.4f}" if progress.loss is not None else "-"
+        eta = _duration(progress.remaining_s)
+        if self.bar_task is not None:
+            self.bar.update(
+                self.bar_task,
+                completed=progress.step or 0,
+                total=progress.total_steps,
+                loss=loss,
+                eta=eta,
+            )
+        if self.console.is_terminal:
+            return
+        # No live display on a pipe: a line per new step (or per new state before the first).
+        key = str(progress.step) if progress.step is not None else progress.text
+        if key != self.last_key:
+            self.last_key = key
+            if progress.step is None:
+                self.console.print(f"{where}{progress.text}", markup=False)
+            else:
+                steps = f"{progress.step}/{progress.total_steps or '?'}"
+                line = f"{where}step {steps}  loss {loss}  ETA {eta}"
+                self.console.print(line, markup=False)
+
+    def render(self) -> RenderableType:
+        """The live region: one line per host, then the training bar once a job reports."""
+        with self.lock:
+            table = Table(box=None, title=Text(self.play, style="bold"), title_justify="left")
+            for column in ("host", "ok", "changed", "failed", "unreach.", "skipped", "task"):
+                table.add_column(column)
+            for host, row in sorted(self.rows.items()):
+                table.add_row(
+                    host,
+                    str(row.ok),
+                    str(row.changed),
+                    str(row.failed),
+                    str(row.unreachable),
+                    str(row.skipped),
+                    f"{row.task} [dim]({row.state})[/]" if row.task else "",
+                )
+            parts: list[RenderableType] = [table]
+            if self.bar_task is not None:
+                parts.append(self.bar.get_renderable())
+            if self.note:
+                parts.append(Text(self.note, style="cyan"))
+            return Group(*parts)
+
+
+# --------------------------------------------------------------------------------------------
+# Reports
+# --------------------------------------------------------------------------------------------
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+def _recap(result: RunResult) -> Table:
+    table = Table(title=f"{result.playbook}: {result.status}", title_justify="left")
+    for column in ("host", "ok", "changed", "failed", "unreachable", "skipped"):
+        table.add_column(column, justify="left" if column == "host" else "right")
+    for host, s in result.hosts.items():
+        table.add_row(
+            host, str(s.ok), str(s.changed), str(s.failed), str(s.unreachable), str(s.skipped)
+        )
+    return table
+
+
+def _summary_panel(summary: TrainSummary) -> Panel:
+    lines = [
+        f"run id          {summary.run_id}",
+        f"world size      {summary.world_size}",
+        f"effective batch {summary.effective_batch_size}",
+        f"runtime         {_duration(summary.runtime_s)}",
+        f"final loss      {summary.final_loss}",
+        f"steps           {summary.last_step}",
+        f"output dir      {summary.output_dir}",
+        f"checkpoints     {', '.join(Path(c).name for c in summary.checkpoints) or '-'}",
+        f"on controller   {summary.controller_dir or '-'}",
+        f"loss plot       {summary.loss_plot or '-'}",
+    ]
+    return Panel("\n".join(lines), title="training summary", expand=False)
+
+
+def _status_panel(run: RunStatus) -> Panel:
+    nodes = Counter(run.nodes.values())
+    lines = [
+        f"state        {run.state}",
+        f"step         {run.step if run.step is not None else '-'}/{run.total_steps or '?'}",
+        f"loss         {run.loss if run.loss is not None else '-'}",
+        f"ETA          {_duration(run.eta_s)}",
+        f"nodes        {', '.join(f'{n} {state}' for state, n in nodes.items()) or '-'}",
+    ]
+    if run.failed_node:
+        status = f" (exit status {run.exit_status})" if run.exit_status is not None else ""
+        lines.append(f"failed node  {run.failed_node}{status}")
+    return Panel("\n".join(lines), title=f"run {run.run_id}", expand=False)
+
+
+def _json_default(value: object) -> object:
+    return str(value) if isinstance(value, Path) else repr(value)
+
+
+def _result_json(result: RunResult) -> str:
+    document = dataclasses.asdict(result)
+    document.pop("events")
+    document["files"] = [str(p) for p in result.files]
+    return json.dumps(document, default=_json_default, indent=2)
+
+
+def _report_error(console: Console, exc: RunnerError) -> int:
+    """Print what went wrong; return the exit code that says it."""
+    code = exit_code(exc)
+    if isinstance(exc, RunInterrupted):
+        console.print(f"[bold yellow]INTERRUPTED[/] {exc.message}", soft_wrap=True)
+        if exc.run_id and not exc.stopped:
+            console.print(
+                f"run {exc.run_id} may still be running: python train_runner.py status "
+                f"--run-id {exc.run_id} / attach / stop --run-id {exc.run_id}",
+                soft_wrap=True,
+            )
+        return code
+    if isinstance(exc, PlaybookFailed) and exc.result is not None:
+        console.print(_recap(exc.result))
+    if isinstance(exc, InvalidInput):
+        title = "invalid input"
+    elif isinstance(exc, HostUnreachable):
+        title = "host unreachable"
+    else:
+        title = "failed"
+    console.print(Text(title.upper(), style="bold red"))
+    console.print(str(exc), markup=False, highlight=False, soft_wrap=True)
+    if exc.result is not None:
+        console.print(f"Ansible's output: {exc.result.stdout_path}")
+    return code
+
+
+def _report_result(console: Console, result: RunResult, *, as_json: bool) -> None:
+    console.print(_recap(result))
+    for run in result.runs:
+        console.print(_status_panel(run))
+    if result.summary:
+        console.print(_summary_panel(result.summary))
+    elif result.run_id:
+        console.print(f"run id: {result.run_id}")
+    if result.files:
+        console.print(f"on the controller: {result.controller_dir} ({len(result.files)} files)")
+    if as_json:
+        print(_result_json(result))
+
+
+# --------------------------------------------------------------------------------------------
+# Commands
+# --------------------------------------------------------------------------------------------
+def _parse_assignments(pairs: Iterable[str]) -> dict[str, Any]:
+    """KEY=VALUE pairs as extra variables; values are YAML (numbers, booleans, lists)."""
+    values: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.isidentifier():
+            raise InvalidInput(f"expected KEY=VALUE, got {pair!r}")
+        values[key] = yaml.safe_load(raw) if raw else ""
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of train_runner.py."""
+    parser = argparse.ArgumentParser(prog="llama-cluster", description=DESCRIPTION, epilog=EPILOG)
+    parser.add_argument("-i", "--inventory", help=f"inventory file (default: {DEFAULT_INVENTORY})")
+    parser.add_argument(
+        "--private-data-dir",
+        help=f"ansible-runner's directory: recent artifacts (default {DEFAULT_PRIVATE_DATA_DIR})",
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="Ansible verbosity")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    parser.add_argument("--raw", action="store_true", help="show Ansible's own output instead")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    extra = argparse.ArgumentParser(add_help=False)
+    extra.add_argument(
+        "-e", "--set", dest="extravars", action="append", default=[], metavar="KEY=VALUE",
+        help="an extra variable (repeatable; the value is YAML)",
+    )  # fmt: skip
+    run_id = argparse.ArgumentParser(add_help=False)
+    run_id.add_argument("--run-id", help="the run (default: the latest)")
+
+    lab = sub.add_parser("lab", help="start or remove the local Docker lab")
+    lab.add_argument("--nodes", type=int, default=2)
+    lab.add_argument("--state", choices=("present", "absent"), default="present")
+    sub.add_parser("provision", parents=[extra], help="install the stack on every node")
+    sub.add_parser("check", parents=[extra], help="check consistency, reachability, all-reduce")
+    train = sub.add_parser("train", parents=[extra], help="train a model from the catalogue")
+    train.add_argument("--model", help="catalogue name, e.g. tiny, qwen-7b (not with --resume)")
+    train.add_argument("--dataset")
+    train.add_argument("--run-id", help="with --resume: the run to continue (default: latest)")
+    train.add_argument("--resume", action="store_true", help="resume from the last checkpoint")
+    train.add_argument("--detach", action="store_true", help="return once every rank started")
+    sub.add_parser("status", parents=[run_id], help="where a run stands")
+    sub.add_parser("attach", parents=[run_id], help="follow a (detached) run to its end")
+    sub.add_parser("stop", parents=[run_id], help="stop a run on every node")
+    sub.add_parser("logs", parents=[run_id], help="bring a run's logs to runs/<run id>/")
+    sub.add_parser("export", parents=[run_id, extra], help="export a run's model")
+    run = sub.add_parser("run", parents=[extra], help="any playbook, e.g. playbooks/wiring.yml")
+    run.add_argument("playbook", help="path relative to the project, or absolute")
+    return parser
+
+
+def _dispatch(cluster: Cluster, args: argparse.Namespace) -> RunResult:
+    extravars = _parse_assignments(getattr(args, "extravars", []))
+    calls: Mapping[str, Callable[[], RunResult]] = {
+        "lab": lambda: cluster.lab(nodes=args.nodes, state=args.state),
+        "provision": lambda: cluster.provision(**extravars),
+        "check": lambda: cluster.check(**extravars),
+        "train": lambda: cluster.train(
+            args.model,
+            args.dataset,
+            resume=args.resume,
+            detach=args.detach,
+            run_id=args.run_id,
+            **extravars,
+        ),
+        "status": lambda: cluster.status(args.run_id),
+        "attach": lambda: cluster.attach(args.run_id),
+        "stop": lambda: cluster.stop(args.run_id),
+        "logs": lambda: cluster.logs(args.run_id),
+        "export": lambda: cluster.export(args.run_id, **extravars),
+        "run": lambda: cluster.run_playbook(args.playbook, extravars),
+    }
+    return calls[args.command]()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The CLI; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    console = Console(stderr=args.json)
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(message)s",
+        handlers=[RichHandler(console=console, show_path=False)],
+    )
+    try:
+        cluster = Cluster(
+            args.inventory,
+            private_data_dir=args.private_data_dir,
+            verbosity=args.verbose,
+            quiet=not args.raw,
+        )
+    except RunnerError as exc:
+        return _report_error(console, exc)
+    view = ConsoleView(console)
+    if not args.raw:
+        cluster.on_event = view.on_event
+        cluster.on_progress = view.on_progress
+
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        cluster.cancel()
+
+    # Ctrl-C arrives as KeyboardInterrupt, which the Cluster turns into a cancel.
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        if args.raw:
+            result = _dispatch(cluster, args)
+        else:
+            with view:
+                result = _dispatch(cluster, args)
+    except RunnerError as exc:
+        return _report_error(console, exc)
+    _report_result(console, result, as_json=args.json)
+    return EXIT_OK

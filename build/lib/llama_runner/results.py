@@ -1,0 +1,271 @@
+"""What a run produced: the dataclasses every Cluster method returns or fills in."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+Event = dict[str, Any]
+
+
+def as_number(value: object, kind: type[int] | type[float]) -> Any:  # noqa: ANN401 - int | float
+    """`value` as an int or float, or None when it is missing or not a number."""
+    if value is None:
+        return None
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def as_seconds(value: object) -> float | None:
+    """Seconds from a number or an "[D days, ]H:MM:SS" duration; None when it is neither."""
+    if isinstance(value, int | float):
+        return float(value)
+    if not isinstance(value, str) or not value.strip():
+        return None
+    days = 0
+    text = value.strip()
+    if "day" in text:
+        head, _, text = text.partition(",")
+        days = as_number(head.split()[0], int) or 0
+    try:
+        parts = [float(p) for p in text.strip().split(":")]
+    except ValueError:
+        return None
+    total = 0.0
+    for part in parts:
+        total = total * 60 + part
+    return days * 86400 + total
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """The JSON object in `text`, or {} when it holds none."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+@dataclass(frozen=True)
+class HostStats:
+    """What one host did in a run: ansible-runner's stats (ok includes changed)."""
+
+    ok: int = 0
+    changed: int = 0
+    failed: int = 0
+    unreachable: int = 0
+    skipped: int = 0
+    rescued: int = 0
+    ignored: int = 0
+
+    @classmethod
+    def from_runner(cls, stats: Mapping[str, Mapping[str, int]] | None) -> dict[str, HostStats]:
+        """Every host's counts from `Runner.stats` (empty when the run ended without stats)."""
+        stats = stats or {}
+        keys = {
+            "ok": "ok",
+            "changed": "changed",
+            "failed": "failures",
+            "unreachable": "dark",
+            "skipped": "skipped",
+            "rescued": "rescued",
+            "ignored": "ignored",
+        }
+        hosts = sorted({host for counts in stats.values() for host in counts or {}})
+        return {
+            host: cls(
+                **{name: int((stats.get(key) or {}).get(host, 0)) for name, key in keys.items()}
+            )
+            for host in hosts
+        }
+
+
+@dataclass(frozen=True)
+class TrainProgress:
+    """One progress report of a training job (rank 0's trainer log)."""
+
+    host: str
+    text: str
+    step: int | None = None
+    total_steps: int | None = None
+    loss: float | None = None
+    lr: float | None = None
+    epoch: float | None = None
+    elapsed_s: float | None = None
+    remaining_s: float | None = None
+    tokens_per_s: float | None = None
+
+    @classmethod
+    def from_result(cls, host: str, res: Mapping[str, Any]) -> TrainProgress | None:
+        """The progress in a task result, or None when the result carries none.
+
+        Reads the contract's names (step, elapsed_s, ...) and LLaMA-Factory's own trainer log
+        names (current_steps, elapsed_time "H:MM:SS", throughput, ...).
+        """
+        data = res.get("progress_data")
+        if not isinstance(data, Mapping) and not res.get("progress"):
+            return None
+        data = data if isinstance(data, Mapping) else {}
+
+        def first(*keys: str) -> Any:  # noqa: ANN401 - a JSON value
+            return next((data[k] for k in keys if data.get(k) is not None), None)
+
+        return cls(
+            host=host,
+            text=str(res.get("progress") or ""),
+            step=as_number(first("step", "current_steps"), int),
+            total_steps=as_number(first("total_steps"), int),
+            loss=as_number(first("loss"), float),
+            lr=as_number(first("lr", "learning_rate"), float),
+            epoch=as_number(first("epoch"), float),
+            elapsed_s=as_seconds(first("elapsed_s", "elapsed_time")),
+            remaining_s=as_seconds(first("remaining_s", "remaining_time")),
+            tokens_per_s=as_number(first("tokens_per_s", "throughput"), float),
+        )
+
+    @property
+    def fraction(self) -> float | None:
+        """How much of the run is done, 0 to 1, when the trainer said."""
+        if self.step is None or not self.total_steps:
+            return None
+        return min(1.0, self.step / self.total_steps)
+
+
+@dataclass(frozen=True)
+class TrainSummary:
+    """How a finished training run went: train.yml's set_stats `llama_run`."""
+
+    run_id: str
+    world_size: int | None = None
+    effective_batch_size: int | None = None
+    runtime_s: float | None = None
+    final_loss: float | None = None
+    last_step: int | None = None
+    output_dir: str | None = None
+    checkpoints: tuple[str, ...] = ()
+    controller_dir: Path | None = None
+    loss_plot: Path | None = None
+
+    @classmethod
+    def from_stats(cls, data: Mapping[str, Any]) -> TrainSummary:
+        """The summary from the `llama_run` mapping of the stats event."""
+
+        def path(value: object) -> Path | None:
+            return Path(str(value)) if value else None
+
+        return cls(
+            run_id=str(data.get("run_id", "")),
+            world_size=data.get("world_size"),
+            effective_batch_size=data.get("effective_batch_size"),
+            runtime_s=data.get("runtime_s"),
+            final_loss=data.get("final_loss"),
+            last_step=data.get("last_step"),
+            output_dir=data.get("output_dir"),
+            checkpoints=tuple(str(c) for c in data.get("checkpoints") or ()),
+            controller_dir=path(data.get("controller_dir")),
+            loss_plot=path(data.get("loss_plot")),
+        )
+
+    @classmethod
+    def from_controller_dir(cls, run_id: str, directory: Path) -> TrainSummary:
+        """What the files a run brought back to the controller say (logs.yml's copies of rank
+        0's trainer_log.jsonl, all_results.json and training_loss.png): no world size, batch or
+        checkpoints, which only train.yml's plan knows."""
+        log_file = directory / "trainer_log.jsonl"
+        results_file = directory / "all_results.json"
+        plot = directory / "training_loss.png"
+        lines = log_file.read_text(encoding="utf-8").splitlines() if log_file.is_file() else []
+        log = [entry for entry in map(json_object, lines) if entry]
+        results = (
+            json_object(results_file.read_text(encoding="utf-8")) if results_file.is_file() else {}
+        )
+        losses = [e["loss"] for e in log if e.get("loss") is not None]
+        return cls(
+            run_id=run_id,
+            runtime_s=as_number(results.get("train_runtime"), float),
+            final_loss=as_number(losses[-1], float) if losses else None,
+            last_step=as_number(log[-1].get("current_steps"), int) if log else None,
+            controller_dir=directory,
+            loss_plot=plot if plot.is_file() else None,
+        )
+
+
+# The states of a run, as Cluster.status() reports them; the first three are still going.
+RUN_STATES = ("starting", "running", "restarting", "succeeded", "failed", "stopped")
+ACTIVE_STATES = frozenset(RUN_STATES[:3])
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """Where one training run stands (Cluster.status()).
+
+    `state` is one of starting, running, restarting (the supervisor is bringing a rank back),
+    succeeded, failed, or stopped (no rank is left and the run did not finish).
+    """
+
+    run_id: str
+    state: str
+    step: int | None = None
+    total_steps: int | None = None
+    loss: float | None = None
+    eta_s: float | None = None
+    failed_node: str | None = None
+    exit_status: int | None = None
+    nodes: dict[str, str] = field(default_factory=dict)  # host: its rank's state
+
+    @property
+    def active(self) -> bool:
+        """Whether the run is still going (or coming up)."""
+        return self.state in ACTIVE_STATES
+
+    def progress(self, host: str = "") -> TrainProgress:
+        """The run's progress in the shape train() reports it."""
+        steps = f"step {self.step}/{self.total_steps or '?'}" if self.step is not None else ""
+        return TrainProgress(
+            host=host,
+            text=f"{self.state} {steps}".strip(),
+            step=self.step,
+            total_steps=self.total_steps,
+            loss=self.loss,
+            remaining_s=self.eta_s,
+        )
+
+
+@dataclass
+class RunResult:
+    """The outcome of one playbook run."""
+
+    playbook: str
+    ident: str
+    status: str  # ansible-runner's: successful, failed, canceled, timeout
+    rc: int | None
+    hosts: dict[str, HostStats]
+    artifact_dir: Path
+    run_id: str | None = None
+    data: dict[str, Any] = field(default_factory=dict)  # set_stats data of the run
+    summary: TrainSummary | None = None
+    progress: TrainProgress | None = None  # the last one seen
+    controller_dir: Path | None = None  # where the run's logs, plots and exports came back to
+    runs: tuple[RunStatus, ...] = ()  # status(): where each run stands
+    events: list[Event] = field(default_factory=list, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        """Whether the playbook succeeded."""
+        return self.status == "successful"
+
+    @property
+    def stdout_path(self) -> Path:
+        """Ansible's output of this run, as it would have printed it."""
+        return self.artifact_dir / "stdout"
+
+    @property
+    def files(self) -> list[Path]:
+        """The files in the controller directory of the run (logs, plots, exports)."""
+        root = self.controller_dir
+        return sorted(p for p in root.rglob("*") if p.is_file()) if root else []

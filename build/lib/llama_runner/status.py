@@ -1,0 +1,177 @@
+"""Where runs stand, from a status.yml run: the one module that knows what status.yml reports.
+
+status.yml publishes (set_stats, key STATUS_STAT) one mapping per run:
+
+    llama_status:
+      runs:
+        - {run_id: train-..., state: running, step: 30, total_steps: 100, loss: 1.2,
+           eta_s: 95, failed_node: null, exit_status: null, nodes: {node1: running, ...}}
+
+with `state` one of results.RUN_STATES; a single run's mapping (without `runs`) is read as one
+run, and roles/job's own shape of a run (`phase`, `progress`, `nodes`: from_job_outcome) too.
+FIELDS maps each RunStatus field to the key status.yml uses for it. Until status.yml
+publishes it, runs_from_events() reads the same from the results of its tasks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from llama_runner.results import (
+    RUN_STATES,
+    Event,
+    RunStatus,
+    TrainProgress,
+    as_number,
+    as_seconds,
+    json_object,
+)
+
+STATUS_STAT = "llama_status"
+
+# RunStatus field: status.yml's key for it.
+FIELDS = {
+    "run_id": "run_id",
+    "state": "state",
+    "step": "step",
+    "total_steps": "total_steps",
+    "loss": "loss",
+    "eta_s": "eta_s",
+    "failed_node": "failed_node",
+    "exit_status": "exit_status",
+    "nodes": "nodes",
+}
+
+
+def parse_status(data: Mapping[str, Any], events: Iterable[Event]) -> tuple[RunStatus, ...]:
+    """The runs a status.yml run reported: its set_stats when it published them, else what its
+    tasks found."""
+    published = data.get(STATUS_STAT)
+    if published is not None:
+        return runs_from_stats(published)
+    return runs_from_events(events)
+
+
+# llama-job's phases (roles/job/README.md) as RunStatus states.
+PHASE_STATES = {
+    "starting": "starting",
+    "waiting": "starting",
+    "running": "running",
+    "stopping": "running",
+    "restarting": "restarting",
+    "succeeded": "succeeded",
+    "failed": "failed",
+    "stopped": "stopped",
+}
+
+
+def from_job_outcome(item: Mapping[str, Any]) -> dict[str, Any]:
+    """One run as FIELDS names it, from roles/job's status of a run (its `job_outcome` shape:
+    phase, node, exit_status, progress as LLaMA-Factory's trainer log writes it, nodes)."""
+    progress = item.get("progress") if isinstance(item.get("progress"), Mapping) else {}
+    nodes = item.get("nodes") if isinstance(item.get("nodes"), Mapping) else {}
+    reason = item.get("reason") if isinstance(item.get("reason"), Mapping) else {}
+    return {
+        "run_id": item.get("run_id"),
+        "state": PHASE_STATES.get(str(item.get("phase") or ""), "stopped"),
+        "step": progress.get("current_steps"),
+        "total_steps": progress.get("total_steps"),
+        "loss": progress.get("loss"),
+        "eta_s": progress.get("remaining_time"),
+        "failed_node": item.get("node") or reason.get("node"),
+        "exit_status": item.get("exit_status"),
+        "nodes": {
+            host: (node.get("phase") if isinstance(node, Mapping) else node)
+            for host, node in nodes.items()
+        },
+    }
+
+
+def runs_from_stats(published: object) -> tuple[RunStatus, ...]:
+    """RunStatus for each run in status.yml's set_stats mapping (see the module's docstring)."""
+    if isinstance(published, Mapping) and "runs" in published:
+        published = published["runs"]
+    items = [published] if isinstance(published, Mapping) else list(published or ())
+    runs = []
+    for item in items:
+        if not isinstance(item, Mapping):
+            continue
+        own = "phase" in item and "state" not in item  # roles/job's own shape of a run
+        fields = from_job_outcome(item) if own else item
+        value = {name: fields.get(key) for name, key in FIELDS.items()}
+        state = str(value["state"] or "")
+        runs.append(
+            RunStatus(
+                run_id=str(value["run_id"] or ""),
+                state=state if state in RUN_STATES else "stopped",
+                step=as_number(value["step"], int),
+                total_steps=as_number(value["total_steps"], int),
+                loss=as_number(value["loss"], float),
+                eta_s=as_seconds(value["eta_s"]),
+                failed_node=str(value["failed_node"]) if value["failed_node"] else None,
+                exit_status=as_number(value["exit_status"], int),
+                nodes={str(h): str(s) for h, s in (value["nodes"] or {}).items()},
+            )
+        )
+    return tuple(runs)
+
+
+# Today's status.yml: the tasks whose results say where the run stands.
+_UNITS_TASK = "Status | Read this node's units of the run"
+_LOG_TASK = "Status | Read rank 0's trainer log"
+
+
+def runs_from_events(events: Iterable[Event]) -> tuple[RunStatus, ...]:
+    """The run today's status.yml looked at, from its tasks' results: each node's systemd units
+    (`systemctl list-units`: unit, load, active, sub) and the last line of rank 0's trainer log.
+
+    A unit that failed makes the run failed (on that node); one running makes it running
+    (starting until the trainer logged a step); units that all exited, or none left once the
+    log reached its last step, make it succeeded; no unit left otherwise means stopped.
+    """
+    run_id = ""
+    nodes: dict[str, str] = {}
+    progress: TrainProgress | None = None
+    for event in events:
+        if event.get("event") != "runner_on_ok":
+            continue
+        data = event.get("event_data", {})
+        res = data.get("res") or {}
+        host = str(data.get("host", ""))
+        run_id = str((res.get("ansible_facts") or {}).get("run_id") or run_id)
+        if data.get("task") == _UNITS_TASK:
+            for line in res.get("stdout_lines") or ():
+                fields = line.split()
+                if len(fields) >= 4:
+                    nodes[host] = "failed" if "failed" in fields[2:4] else fields[3]
+        elif data.get("task") == _LOG_TASK and str(res.get("stdout", "")).startswith("{"):
+            progress = TrainProgress.from_result(
+                host, {"progress_data": json_object(res["stdout"])}
+            )
+    if not run_id:
+        return ()
+    step = progress.step if progress else None
+    total = progress.total_steps if progress else None
+    finished = step is not None and total is not None and step >= total
+    failed = [host for host, state in nodes.items() if state == "failed"]
+    if failed:
+        state = "failed"
+    elif "running" in nodes.values():
+        state = "running" if step is not None else "starting"
+    elif (nodes and set(nodes.values()) == {"exited"}) or (not nodes and finished):
+        state = "succeeded"
+    else:
+        state = "stopped"
+    return (
+        RunStatus(
+            run_id=run_id,
+            state=state,
+            step=step,
+            total_steps=total,
+            loss=progress.loss if progress else None,
+            eta_s=progress.remaining_s if progress else None,
+            failed_node=failed[0] if failed else None,
+            nodes=nodes,
+        ),
+    )
