@@ -62,6 +62,6 @@ test-fast: test-env   ## lint + pytest without molecule scenarios
 # for the tests and removed after them.
 test: host test-env   ## everything CI runs: lint, pytest (lab and molecule scenarios included)
 	$(MAKE) lint
-	@if [ -f inventory/lab.yml ]; then $(VENV)/pytest; else \
-	  $(VENV)/ansible-playbook playbooks/lab.yml && { $(VENV)/pytest; status=$$?; \
+	@if [ -f inventory/lab.yml ]; then $(VENV)/pytest --durations=40; else \
+	  $(VENV)/ansible-playbook playbooks/lab.yml && { $(VENV)/pytest --durations=40; status=$$?; \
 	  $(VENV)/ansible-playbook playbooks/lab.yml -e lab_state=absent; exit $$status; }; fi
