@@ -32,7 +32,6 @@ from llama_runner.results import HostStats, RunResult, RunStatus, TrainProgress,
 from llama_runner.status import parse_status
 
 
-
 def find_project_dir() -> Path:
     """The llama-cluster checkout to drive: $LLAMA_CLUSTER_DIR, else the tree this package sits in
     (a checkout, or `pip install -e .`), else the current directory or the nearest one above it

@@ -4,6 +4,7 @@ it runs in: a bad request is refused by train.yml's first play, on the controlle
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,11 +16,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The project installed (not editable) into a target directory; its bin/llama-cluster."""
+    """The project installed (not editable) into a target directory; its bin/llama-cluster.
+
+    Installed from a copy of what the package is made of, so that the build leaves nothing in
+    the tree."""
+    source = tmp_path_factory.mktemp("source")
+    for name in ("pyproject.toml", "train_runner.py"):
+        shutil.copy2(ROOT / name, source / name)
+    shutil.copytree(ROOT / "llama_runner", source / "llama_runner")
     target = tmp_path_factory.mktemp("site")
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-         "--target", str(target), str(ROOT)],
+         "--target", str(target), str(source)],
         check=True, capture_output=True, text=True,
     )  # fmt: skip
     command = target / "bin" / "llama-cluster"
