@@ -27,6 +27,7 @@ from ansible_collections.llama.cluster.plugins.module_utils.planner.nodes import
     describe_nodes,
     hosts_without_gpu_facts,
     node_gpu_memory,
+    node_host_memory,
 )
 from ansible_collections.llama.cluster.plugins.module_utils.planner.render import (
     dataset_info,
@@ -1002,3 +1003,86 @@ def test_the_projects_own_settings_pass_the_same_schema() -> None:
     rules = [{"name": "bad", "set": {"per_device_train_batch_size": -1}}]
     with pytest.raises(PlanError, match=r"profile rule 'bad'.*per_device_train_batch_size"):
         make_plan(settings={**SETTINGS, "rules": rules})
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 21: host memory is a budget like GPU memory; knobs that win over the facts.
+# ---------------------------------------------------------------------------------------------
+
+RAM_128GB = round(131_072_000 / 1024 / 1024, 1)  # MemTotal of a 128 GB machine, GiB (125.0)
+
+
+def with_host_memory(cluster: list[dict[str, Any]], gib: float) -> list[dict[str, Any]]:
+    return [{**n, "host_memory_gib": gib, "host_memory_source": "facts"} for n in cluster]
+
+
+def test_a_7b_full_fine_tune_on_one_h200_with_128_gb_of_ram_is_never_offloaded() -> None:
+    # As a user found: zero3_offload was chosen and the kernel killed rank 0 for host memory.
+    with pytest.raises(PlanError) as refused:
+        make_plan(
+            "qwen2.5-7b",
+            finetuning_type="full",
+            cluster=with_host_memory(nodes(1), RAM_128GB),
+        )
+    message = str(refused.value)
+    assert "zero3_offload (1" in message
+    assert "of host memory" in message
+    assert (
+        "GiB of GPU memory per GPU and 106.2 GiB of host memory per node (1 processes)" in message
+    )
+    assert "LoRA (-e finetuning_type=lora)" in message
+    assert "2 nodes like the smallest one" in message
+
+
+def test_with_enough_host_memory_the_offload_plan_stands_and_says_its_need() -> None:
+    planned = make_plan(
+        "qwen2.5-7b", finetuning_type="full", cluster=with_host_memory(nodes(1), 512.0)
+    )
+    assert planned["deepspeed"] == "zero3_offload"
+    assert planned["host_budget_gib"] == 435.2
+    assert 140 < planned["host_estimate_gib"] < 150
+    assert any(line.startswith("Host memory planned for: 512.0 GiB") for line in planned["summary"])
+
+
+def test_a_given_stage_that_does_not_fit_host_memory_is_refused_with_the_figures() -> None:
+    with pytest.raises(PlanError, match=r"deepspeed=zero3_offload needs 1\d\d\.\d GiB of host"):
+        make_plan(
+            "qwen2.5-7b",
+            finetuning_type="full",
+            deepspeed="zero3_offload",
+            cluster=with_host_memory(nodes(1), RAM_128GB),
+        )
+
+
+def test_host_memory_counts_every_process_of_the_node() -> None:
+    # Eight ranks on one node each load the weights and hold their runtime: 8 x (4 + 2 x 1.5B).
+    planned = make_plan(
+        "qwen2.5-1.5b", finetuning_type="full", cluster=with_host_memory(nodes(1, nproc=8), 128.0)
+    )
+    assert planned["host_estimate_gib"] == pytest.approx(8 * (4 + 2 * 1.54e9 / GIB), abs=0.5)
+
+
+def test_without_host_facts_the_plan_says_host_memory_is_unknown() -> None:
+    planned = make_plan("qwen2.5-0.5b")
+    assert planned["host_memory_gib"] is None
+    assert any(line.startswith("Host memory: not known") for line in planned["summary"])
+
+
+def test_gpu_memory_gib_wins_over_the_facts_and_says_so() -> None:
+    share = hostvars(mib=[143771], gpu_memory_gib="40")
+    assert node_gpu_memory("a", share) == (40.0, "gpu_memory_gib (inventory or -e), over the facts")
+    with pytest.raises(PlanError, match=r"a: gpu_memory_gib = 'lots' must be a number of GiB"):
+        node_gpu_memory("a", hostvars(mib=[143771], gpu_memory_gib="lots"))
+
+
+def test_host_memory_comes_from_the_knob_then_the_facts() -> None:
+    facts = hostvars(mib=[143771])
+    facts["ansible_local"]["llama_host"]["host_memory_mib"] = 128_000
+    assert node_host_memory("a", facts) == (125.0, "facts")
+    assert node_host_memory("a", {**facts, "host_memory_gib": 64}) == (
+        64.0,
+        "host_memory_gib (inventory or -e), over the facts",
+    )
+    assert node_host_memory("a", hostvars(mib=[143771]))[0] is None
+    described = describe_nodes({"a": 0}, {"a": facts}, {"a": 1})
+    assert described[0]["host_memory_gib"] == 125.0

@@ -9,6 +9,7 @@ check mode; the roles' plan/validate tasks are read-only.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -508,3 +509,22 @@ def test_a_python_312_cluster_wants_the_cp312_wheel_set(mixed_lab: Lab):
     assert f"The wheelhouse {wheelhouse} lacks" in out
     assert "numpy==2.5.5" in out  # the 3.12 lock's numpy (3.11's is 2.4.6)
     assert "for CPython 3.12, manylinux x86_64" in out
+
+
+def test_gpu_probe_reports_the_lower_of_the_machines_ram_and_its_cgroup_limit(tmp_path: Path):
+    spec = importlib.util.spec_from_file_location(
+        "gpu_probe", PROJECT / "roles/host_facts/files/gpu_probe.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       131072000 kB\nMemFree:        1000 kB\n")
+    v2, v1 = tmp_path / "memory.max", tmp_path / "limit_in_bytes"
+    assert probe.host_memory_mib(meminfo, (v2, v1)) == 128_000  # no cgroup limit files
+    v2.write_text("max\n")  # cgroup v2 without a limit
+    assert probe.host_memory_mib(meminfo, (v2, v1)) == 128_000
+    v1.write_text(f"{16 * 2**30}\n")  # a container limited to 16 GiB
+    assert probe.host_memory_mib(meminfo, (v2, v1)) == 16 * 1024
+    assert probe.host_memory_mib(tmp_path / "absent", (tmp_path / "none",)) is None

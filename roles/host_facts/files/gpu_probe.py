@@ -1,4 +1,5 @@
-"""Print the node's NVIDIA GPUs as JSON: from the PCI bus, and from nvidia-smi once a driver runs.
+"""Print the node's NVIDIA GPUs as JSON: from the PCI bus, and from nvidia-smi once a driver runs;
+and the node's RAM (the planner's host memory budget).
 
 Read-only. Usage: gpu_probe.py PCI_DEVICES_DIR
 """
@@ -44,6 +45,37 @@ def smi(*args: str) -> str | None:
     return proc.stdout if proc.returncode == 0 else None
 
 
+# The memory limit of the cgroup the node's processes run in (v2, then v1): a container or a
+# rented slice of a machine has less than /proc/meminfo says.
+CGROUP_LIMITS = (
+    Path("/sys/fs/cgroup/memory.max"),
+    Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+)
+
+
+def host_memory_mib(
+    meminfo: Path = Path("/proc/meminfo"), limits: tuple[Path, ...] = CGROUP_LIMITS
+) -> int | None:
+    """The memory the node's processes may use, in MiB: MemTotal, or the cgroup's limit where it
+    is lower (None where neither can be read)."""
+    sizes = []
+    try:
+        match = re.search(r"^MemTotal:\s+(\d+) kB", meminfo.read_text(), re.MULTILINE)
+        if match:
+            sizes.append(int(match.group(1)) * 1024)
+    except OSError:
+        pass
+    for limit in limits:
+        try:
+            value = limit.read_text().strip()
+        except OSError:
+            continue
+        if value.isdigit():
+            sizes.append(int(value))
+            break
+    return min(sizes) // 2**20 if sizes else None
+
+
 def main() -> None:
     """Print the probe's JSON."""
     gpus = pci_gpus(Path(sys.argv[1]))
@@ -73,6 +105,7 @@ def main() -> None:
         "driver_loaded": rows is not None,
         "driver_version": driver,
         "cuda_version": cuda,
+        "host_memory_mib": host_memory_mib(),
     }
     print(json.dumps(result, sort_keys=True))
 

@@ -17,16 +17,18 @@ from .decisions import (
     estimate_steps,
 )
 from .errors import TRAINING_FILE, PlanError
-from .memory import GIB, Memory
+from .memory import GIB, Memory, gib_text
 from .model import resolve_model
 from .nodes import check_nodes
 from .rules import apply_rules, check_rules
 from .schema import Settings, check_project_settings, check_request
 
 
-def _smallest(nodes: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
-    gpu = [n for n in nodes if n["gpu_memory_gib"] is not None]
-    return min(gpu, key=lambda n: n["gpu_memory_gib"]) if gpu else None
+def _smallest(
+    nodes: Sequence[Mapping[str, Any]], key: str = "gpu_memory_gib"
+) -> Mapping[str, Any] | None:
+    known = [n for n in nodes if n.get(key) is not None]
+    return min(known, key=lambda n: n[key]) if known else None
 
 
 def _stage_and_profile(
@@ -39,10 +41,19 @@ def _stage_and_profile(
     """The stage and why; the profile rules' settings (after the stage they may test or set)."""
     asked = request.get("deepspeed") or "auto"
     if asked == "auto":
-        stage, why = choose_stage(memory, model["cutoff_len"], facts["accelerator"])
+        stage, why = choose_stage(
+            memory, model["cutoff_len"], facts["accelerator"], nnodes=facts["nnodes"]
+        )
         why = f"chosen by the rule in {TRAINING_FILE}: {why}"
     else:
         stage, why = asked, f"deepspeed={asked} given"
+        if not memory.host_fits(stage):
+            raise PlanError(
+                f"deepspeed={asked} needs {gib_text(memory.host_need(stage))} of host memory on "
+                f"each node ({memory.nproc} processes), the budget is "
+                f"{gib_text(memory.host_budget)}: the kernel would kill the run. "
+                "Leave deepspeed to the planner (-e deepspeed=auto), or add nodes."
+            )
     facts["deepspeed"] = stage
     profile, applied = apply_rules(settings.rules, facts)
     ruled = profile.pop("deepspeed", None)
@@ -140,6 +151,8 @@ def plan(
     check_project_settings(data, model)
     smallest = _smallest(nodes)
     gib = smallest["gpu_memory_gib"] if smallest else None
+    smallest_host = _smallest(nodes, "host_memory_gib") if accelerator != "cpu" else None
+    host_gib = smallest_host["host_memory_gib"] if smallest_host else None
     memory = Memory(
         params=float(model["params_b"]) * 1e9,
         finetuning=model["finetuning_type"],
@@ -147,6 +160,10 @@ def plan(
         world=world,
         coefficients=data.memory,
         budget=gib * GIB * float(data.memory["usable_fraction"]) if gib else None,
+        host_budget=(
+            host_gib * GIB * float(data.memory["host_usable_fraction"]) if host_gib else None
+        ),
+        nproc=nproc,
     )
     train_args = request["train_args"]
     facts = {
@@ -194,8 +211,21 @@ def plan(
         "gpu_memory_gib": gib,
         "memory_budget_gib": round(memory.budget / GIB, 1) if memory.budget else None,
         "memory_estimate_gib": round(batch.need / GIB, 1) if batch.need else None,
+        "host_memory_gib": host_gib,
+        "host_budget_gib": round(memory.host_budget / GIB, 1) if memory.host_budget else None,
+        "host_estimate_gib": (
+            round(memory.host_need(stage) / GIB, 1) if accelerator != "cpu" else None
+        ),
         "nodes": {
-            n["host"]: {"gpu_memory_gib": n["gpu_memory_gib"], "memory_source": n["memory_source"]}
+            n["host"]: {
+                key: n.get(key)
+                for key in (
+                    "gpu_memory_gib",
+                    "memory_source",
+                    "host_memory_gib",
+                    "host_memory_source",
+                )
+            }
             for n in nodes
         },
         "max_restarts": int(request.get("max_restarts") or 0),
@@ -204,7 +234,7 @@ def plan(
         "rules_applied": applied,
         "decisions": decisions,
     }
-    result["summary"] = summary(result, smallest)
+    result["summary"] = summary(result, smallest, smallest_host)
     return result
 
 
@@ -216,7 +246,11 @@ def _count(params_b: float) -> str:
     return f"{params / 1e6:.0f}M" if params >= 1e6 else f"{params:,.0f}"
 
 
-def summary(plan: Mapping[str, Any], smallest: Mapping[str, Any] | None) -> list[str]:
+def summary(
+    plan: Mapping[str, Any],
+    smallest: Mapping[str, Any] | None,
+    smallest_host: Mapping[str, Any] | None = None,
+) -> list[str]:
     """The lines train.yml shows before it touches a node."""
     model = plan["model"]
     args = plan["train_args"]
@@ -254,6 +288,16 @@ def summary(plan: Mapping[str, Any], smallest: Mapping[str, Any] | None) -> list
             f"{smallest['host']}, {smallest['memory_source']}); budget "
             f"{plan['memory_budget_gib']} GiB, estimated need "
             f"{plan['memory_estimate_gib'] if plan['memory_estimate_gib'] else 'unknown'} GiB"
+        )
+    if smallest is not None:
+        lines.append(
+            f"Host memory planned for: {plan['host_memory_gib']} GiB per node (smallest node: "
+            f"{smallest_host['host']}, {smallest_host['host_memory_source']}); budget "
+            f"{plan['host_budget_gib']} GiB, estimated need {plan['host_estimate_gib']} GiB"
+            if smallest_host is not None
+            else "Host memory: not known (facts from before host memory was recorded: run "
+            f"provision.yml, or set host_memory_gib); estimated need {plan['host_estimate_gib']} "
+            "GiB per node"
         )
     lines.append(f"Restarts after a failure: at most {plan['max_restarts']}")
     lines.append("Datasets: " + ", ".join(d.get("name", "") for d in plan["datasets"]))

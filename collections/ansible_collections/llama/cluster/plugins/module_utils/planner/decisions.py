@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .errors import PlanError
@@ -21,29 +21,62 @@ STAGE_ORDER = {
 }
 
 
-def choose_stage(memory: Memory, cutoff: int, accelerator: str) -> tuple[str, str]:
-    """The DeepSpeed stage for `deepspeed=auto`, and why.
+def fitting_stage(memory: Memory, cutoff: int) -> str | None:
+    """The first stage of STAGE_ORDER that fits both budgets with one checkpointed row of
+    cutoff_len tokens (the smallest micro-batch any plan can use), or None."""
+    for stage in STAGE_ORDER[memory.finetuning]:
+        if memory.fits(stage, cutoff, checkpointing=True) and memory.host_fits(stage):
+            return stage
+    return None
 
-    The first stage of STAGE_ORDER whose state plus one checkpointed row of cutoff_len tokens
-    (the smallest micro-batch any plan can use) fits the budget.
-    """
+
+def choose_stage(memory: Memory, cutoff: int, accelerator: str, nnodes: int = 1) -> tuple[str, str]:
+    """The DeepSpeed stage for `deepspeed=auto`, and why; refuses, with the ways out, when no
+    stage fits the GPU memory and the host memory of the smallest node."""
     if accelerator == "cpu" or memory.budget is None:
         return "none", "CPU cluster: plain DDP over gloo"
     skipped = []
     for stage in STAGE_ORDER[memory.finetuning]:
         need = memory.need(stage, cutoff, checkpointing=True)
-        if need <= memory.budget:
-            why = (
-                f"{gib_text(need)} needed at the smallest micro-batch, "
-                f"budget {gib_text(memory.budget)}"
-            )
-            return stage, why + ("; " + ", ".join(skipped) + " would not fit" if skipped else "")
-        skipped.append(f"{stage} ({gib_text(need)})")
+        if need > memory.budget:
+            skipped.append(f"{stage} ({gib_text(need)} of GPU memory)")
+            continue
+        if not memory.host_fits(stage):
+            skipped.append(f"{stage} ({gib_text(memory.host_need(stage))} of host memory)")
+            continue
+        why = (
+            f"{gib_text(need)} needed at the smallest micro-batch, budget {gib_text(memory.budget)}"
+        )
+        return stage, why + ("; " + ", ".join(skipped) + " would not fit" if skipped else "")
     raise PlanError(
-        f"The model does not fit the GPUs even with ZeRO-3 and CPU offload: one row of "
-        f"cutoff_len={cutoff} tokens needs {gib_text(need)} per GPU, the budget is "
-        f"{gib_text(memory.budget)}. Lower cutoff_len (-e cutoff_len=...)."
+        f"The model does not fit even with ZeRO-3 and CPU offload: one row of "
+        f"cutoff_len={cutoff} tokens per GPU needs "
+        + ", ".join(skipped)
+        + f"; the budgets are {gib_text(memory.budget)} of GPU memory per GPU and "
+        + f"{gib_text(memory.host_budget)} of host memory per node ({memory.nproc} processes). "
+        + ways_out(memory, cutoff, nnodes)
     )
+
+
+def ways_out(memory: Memory, cutoff: int, nnodes: int) -> str:
+    """The smallest changes that would fit, as the user asks for them."""
+    ways = []
+    shorter = cutoff // 2
+    while shorter >= 256:
+        if fitting_stage(memory, shorter):
+            ways.append(f"Lower cutoff_len (-e cutoff_len={shorter})")
+            break
+        shorter //= 2
+    if memory.finetuning == "full" and fitting_stage(replace(memory, finetuning="lora"), cutoff):
+        ways.append("LoRA (-e finetuning_type=lora)")
+    for more in (2, 3, 4, 8):
+        bigger = replace(memory, world=memory.world * more)
+        if fitting_stage(bigger, cutoff):
+            ways.append(f"{nnodes * more} nodes like the smallest one")
+            break
+    if not ways:
+        return "Nothing small fits it: a larger GPU or more host memory."
+    return "Ways out: " + "; or ".join(ways) + "."
 
 
 @dataclass(frozen=True)

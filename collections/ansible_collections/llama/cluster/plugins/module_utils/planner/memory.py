@@ -1,5 +1,6 @@
-"""The memory model: GPU memory of a training process by stage, checkpointing and micro-batch
-(coefficients: training_memory in group_vars/all/training.yml).
+"""The memory model: GPU memory of a training process by stage, checkpointing and micro-batch,
+and the host memory of a node's processes (coefficients: training_memory in
+group_vars/all/training.yml). Both are budgets: a plan that does not fit either is not chosen.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ class Memory:
     world: int
     coefficients: Mapping[str, Any]
     budget: float | None
+    host_budget: float | None = None
+    nproc: int = 1
 
     def state(self, stage: str) -> float:
         """Weights, gradients and optimizer states (and DDP's gradient buckets) per GPU."""
@@ -65,6 +68,26 @@ class Memory:
     def fits(self, stage: str, tokens: int, checkpointing: bool) -> bool:
         """Whether that fits the budget (always, without a budget: CPU runs)."""
         return self.budget is None or self.need(stage, tokens, checkpointing) <= self.budget
+
+    def host_need(self, stage: str) -> float:
+        """Bytes of host memory the node's `nproc` training processes hold together.
+
+        Each process: the runtime (torch, CUDA context, LLaMA-Factory, the tokenised data),
+        the bf16 weights that pass through host memory while the model loads, and with
+        `zero3_offload` its shard of what DeepSpeed keeps in (pinned) host memory: fp32 master
+        weights, gradients and AdamW states and the bf16 weights (full), or the frozen bf16
+        weights (LoRA, freeze).
+        """
+        c, n = self.coefficients, self.params
+        per_process = float(c["host_process_gib"]) * GIB + float(c["host_load_bytes_per_param"]) * n
+        if stage == "zero3_offload":
+            offload = float(c["host_offload_bytes_per_param"][self.finetuning])
+            per_process += offload * n / self.world
+        return self.nproc * per_process
+
+    def host_fits(self, stage: str) -> bool:
+        """Whether the node's processes fit its host memory (always, where it is not known)."""
+        return self.host_budget is None or self.host_need(stage) <= self.host_budget
 
 
 def gib_text(value: float | None) -> str:

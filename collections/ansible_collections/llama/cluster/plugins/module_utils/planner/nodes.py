@@ -49,10 +49,30 @@ def hosts_without_gpu_facts(hosts: Sequence[str], hostvars: Any) -> list[str]:  
     ]
 
 
+def _knob(host: str, hostvars: Any, name: str) -> float | None:  # noqa: ANN401 - hostvars
+    """A planning knob (GiB) set for this host in the inventory or for the run with -e."""
+    value = _get(hostvars, name)
+    if value in (None, ""):
+        return None
+    try:
+        return float(POSITIVE.coerce(value))
+    except (ValueError, TypeError):
+        raise PlanError(
+            f"{host}: {name} = {show(value)} must be a number of GiB > 0 (set it per host in the "
+            f"inventory, or for the run with -e {name}=N)"
+        ) from None
+
+
 def node_gpu_memory(host: str, hostvars: Any) -> tuple[float | None, str]:  # noqa: ANN401
-    """GiB of the smallest GPU this node trains on (gpu_ids), and where the figure came from."""
+    """GiB of the smallest GPU this node trains on (gpu_ids), and where the figure came from.
+
+    `gpu_memory_gib` (a host variable, or -e for every node) wins over the facts: a share of a
+    GPU (MIG, a card other work uses) is planned for as the user says."""
     if node_accelerator(hostvars) == "cpu":
         return None, "CPU node"
+    knob = _knob(host, hostvars, "gpu_memory_gib")
+    if knob is not None:
+        return knob, "gpu_memory_gib (inventory or -e), over the facts"
     gpus = [g for g in local_facts(hostvars).get("gpus") or [] if isinstance(g, Mapping)]
     wanted = _get(hostvars, "gpu_ids")
     if wanted and gpus:
@@ -80,15 +100,31 @@ def node_gpu_memory(host: str, hostvars: Any) -> tuple[float | None, str]:  # no
     return float(gib), "training_gpu_memory_gib (the facts report no GPU memory)"
 
 
+def node_host_memory(host: str, hostvars: Any) -> tuple[float | None, str]:  # noqa: ANN401
+    """GiB of the node's RAM, and where the figure came from (None: not known, not checked).
+
+    `host_memory_gib` (a host variable, or -e) wins over the facts, e.g. a node whose RAM other
+    work uses, or a container limited below the machine's RAM."""
+    knob = _knob(host, hostvars, "host_memory_gib")
+    if knob is not None:
+        return knob, "host_memory_gib (inventory or -e), over the facts"
+    mib = local_facts(hostvars).get("host_memory_mib")
+    if isinstance(mib, (int, float)) and not isinstance(mib, bool) and mib > 0:
+        return round(float(mib) / 1024, 1), "facts"
+    return None, "unknown (facts from before host memory was recorded: run provision.yml)"
+
+
 def describe_nodes(
     ranks: Mapping[str, int],
     hostvars: Any,  # noqa: ANN401 - Ansible's hostvars
     nprocs: Mapping[str, Any],
 ) -> list[dict[str, Any]]:
-    """Every node in rank order: host, rank, accelerator, processes, GPU memory and its source."""
+    """Every node in rank order: host, rank, accelerator, processes, GPU and host memory and
+    where each figure came from."""
     nodes = []
     for host, rank in sorted(ranks.items(), key=lambda item: item[1]):
         gib, source = node_gpu_memory(host, hostvars[host])
+        host_gib, host_source = node_host_memory(host, hostvars[host])
         nodes.append(
             {
                 "host": host,
@@ -97,6 +133,8 @@ def describe_nodes(
                 "nproc": nprocs[host],
                 "gpu_memory_gib": gib,
                 "memory_source": source,
+                "host_memory_gib": host_gib,
+                "host_memory_source": host_source,
             }
         )
     return nodes
