@@ -162,6 +162,12 @@ def test_unknown_deepspeed_stage_is_refused(two_nodes: Path) -> None:
     assert 'Unknown deepspeed="zero4"' in out
 
 
+def test_a_resumed_run_refuses_restarts_that_are_not_a_count(two_nodes: Path) -> None:
+    # Issue 24: with resume=true, max_restarts=two used to run silently with no restarts.
+    out = _fails_before_nodes(two_nodes, "-e", "resume=true", "-e", "max_restarts=two")
+    assert '-e max_restarts = "two" (must be an integer >= 0)' in out
+
+
 def test_train_args_must_be_a_mapping(two_nodes: Path) -> None:
     out = _fails_before_nodes(two_nodes, "-e", "model=tiny", "-e", "train_args=fast")
     assert "train_args must be a mapping" in out
