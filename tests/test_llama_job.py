@@ -272,6 +272,19 @@ def test_listeners_name_the_process_that_holds_a_port():
     assert lj.busy_ports([port]) == []
 
 
+def test_the_ports_verb_says_who_holds_a_port_as_start_would_refuse_it(tmp_path: Path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        held = _verb(tmp_path, "ports", "--port", str(port))
+    assert held["free"] is False
+    holder = lj.describe_listener(held["listeners"][0])
+    assert held["busy"] == [f"port {port} is in use by {holder}"]
+    free = _verb(tmp_path, "ports", "--port", str(port))
+    assert free == {"free": True, "listeners": [], "busy": []}
+
+
 def test_a_spec_the_job_user_could_rewrite_is_refused(tmp_path: Path):
     spec = tmp_path / "s.json"
     spec.write_text("{}")
