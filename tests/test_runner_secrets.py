@@ -215,3 +215,28 @@ def test_api_run_keeps_secrets_off_command_lines_and_out_of_artifacts(
     leaks += _files_holding(runs, *fakes) if runs.is_dir() else []
     assert leaks == []
     assert os.environ["HF_TOKEN"] == FAKE_HF  # the caller's environment is left alone
+
+
+def test_api_train_keeps_the_hf_token_from_a_mirror_and_out_of_artifacts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    # train.yml stops on the controller at the hub probe (nothing listens on port 9), after the
+    # defaults have read the token: TEST-NET nodes prove no node was contacted.
+    monkeypatch.setenv("HF_TOKEN", FAKE_HF)
+    inventory = tmp_path / "inventory.yml"
+    node = '{"ansible_host": "192.0.2.%d", "cluster_accelerator": "cpu", "nproc_per_node": 1}'
+    inventory.write_text(
+        "all:\n  children:\n    cluster:\n      children:\n"
+        f"        master:\n          hosts:\n            a: {node % 1}\n"
+        f"        workers:\n          hosts:\n            b: {node % 2}\n"
+    )
+    runner_dir = tmp_path / "runner"
+    cluster = Cluster(inventory, private_data_dir=runner_dir)
+    with pytest.raises(InvalidInput) as caught:
+        cluster.train("qwen2.5-7b", hf_endpoint="http://127.0.0.1:9", serve_api_key=FAKE_KEY)
+    message = caught.value.message
+    assert "the endpoint is unreachable from the controller" in message
+    stdout = caught.value.result.stdout_path.read_text()
+    assert "hf_token is set but not sent to http://127.0.0.1:9" in stdout
+    assert "Train | Prepare every node" not in stdout
+    assert _files_holding(runner_dir, FAKE_HF, FAKE_KEY) == []
