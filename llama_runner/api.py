@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import ansible_runner
+from ansible_runner.interface import init_runner
 
 from llama_runner.errors import InvalidInput, PlaybookFailed, RunInterrupted, RunnerError
 from llama_runner.events import (
@@ -28,7 +28,15 @@ from llama_runner.events import (
     error_from_events,
     touched_nodes,
 )
-from llama_runner.results import HostStats, RunResult, RunStatus, TrainProgress, TrainSummary
+from llama_runner.results import (
+    Event,
+    HostStats,
+    RunResult,
+    RunStatus,
+    TrainProgress,
+    TrainSummary,
+)
+from llama_runner.secrets import SecretsFile, run_secrets
 from llama_runner.status import parse_status
 
 
@@ -351,26 +359,48 @@ class Cluster:
         verb = playbook.stem
         ident = f"{verb}-{datetime.now(UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
         self._cancel.clear()
-        thread, runner = ansible_runner.run_async(
-            private_data_dir=str(self.private_data_dir),
-            project_dir=str(self.project_dir),
-            playbook=str(playbook),
-            inventory=str(self.inventory) if inventory else None,
-            extravars=dict(extravars),
-            envvars=self._envvars(),
-            ident=ident,
-            rotate_artifacts=self.keep_artifacts,
-            suppress_env_files=True,
-            # The project's jsonfile cache (ansible.cfg), shared with ansible-playbook runs,
-            # rather than one per artifact directory that rotation deletes.
-            fact_cache_type="ansible.cfg",
-            quiet=self.quiet,
-            verbosity=self.verbosity or None,
-            event_handler=collector,
-            cancel_callback=Canceller(self._cancel, collector),
-        )
-        artifact_dir = Path(runner.config.artifact_dir)
-        self._wait(thread, artifact_dir, shield=shield)
+        try:
+            public, secret, secret_env = run_secrets(extravars, os.environ)
+        except ValueError as exc:
+            raise InvalidInput(str(exc)) from exc
+        secrets = SecretsFile(self.private_data_dir, ident, secret)
+
+        def handle(event: Event) -> bool:
+            # Extra variables are read before the first play: the file is no longer needed.
+            if event.get("event") == "playbook_on_start":
+                secrets.discard()
+            return collector(event)
+
+        try:
+            # init_runner, not run_async: the environment it recorded (and would pass on) is
+            # cleaned of secrets before the run starts and writes artifacts/<ident>/command.
+            runner = init_runner(
+                private_data_dir=str(self.private_data_dir),
+                project_dir=str(self.project_dir),
+                playbook=str(playbook),
+                inventory=str(self.inventory) if inventory else None,
+                extravars=public,
+                cmdline=secrets.argument or None,
+                envvars=self._envvars(),
+                ident=ident,
+                rotate_artifacts=self.keep_artifacts,
+                suppress_env_files=True,
+                # The project's jsonfile cache (ansible.cfg), shared with ansible-playbook runs,
+                # rather than one per artifact directory that rotation deletes.
+                fact_cache_type="ansible.cfg",
+                quiet=self.quiet,
+                verbosity=self.verbosity or None,
+                event_handler=handle,
+                cancel_callback=Canceller(self._cancel, collector),
+            )
+            for name in secret_env:
+                runner.config.env.pop(name, None)
+            thread = threading.Thread(target=runner.run, name=f"ansible-runner {ident}")
+            thread.start()
+            artifact_dir = Path(runner.config.artifact_dir)
+            self._wait(thread, artifact_dir, shield=shield)
+        finally:
+            secrets.discard()
 
         data = collector.artifact_data
         summary = TrainSummary.from_stats(data["llama_run"]) if "llama_run" in data else None

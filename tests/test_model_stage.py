@@ -161,6 +161,61 @@ def test_a_failed_probe_names_the_model_and_the_endpoint(
     assert error.endswith("Nothing was changed on any node.")
 
 
+@pytest.mark.parametrize(
+    ("endpoint", "to_endpoint", "send"),
+    [
+        ("https://huggingface.co", False, True),
+        ("https://huggingface.co/", False, True),
+        ("https://HuggingFace.co:443", False, True),
+        ("https://hf.co", False, True),
+        ("https://cdn-lfs.huggingface.co", False, True),
+        ("https://hf-mirror.com", False, False),  # a third-party mirror
+        ("https://huggingface.co.evil.example", False, False),  # only looks like it
+        ("https://evil.example/huggingface.co", False, False),
+        ("https://myhuggingface.co", False, False),
+        ("http://huggingface.co", False, False),  # in clear text
+        ("not a url", False, False),
+        ("https://hf-mirror.com", True, True),  # trusted by the user
+        ("https://hf-mirror.com", "true", True),  # -e hf_token_to_endpoint=true
+        ("https://hf-mirror.com", "false", False),
+    ],
+)
+def test_the_hf_token_goes_to_huggingface_co_unless_the_endpoint_is_trusted(
+    endpoint: str, to_endpoint: object, send: bool
+) -> None:
+    policy = stage.model_stage_token_policy("huggingface", endpoint, True, to_endpoint)
+    assert policy["send"] is send
+    if send:
+        assert policy["note"] == ""
+    else:
+        assert endpoint in policy["note"]
+        assert "hf_token_to_endpoint=true" in policy["note"]
+
+
+def test_no_token_means_nothing_to_send_or_say() -> None:
+    assert stage.model_stage_token_policy("huggingface", "https://hf-mirror.com", False) == {
+        "send": False,
+        "note": "",
+    }
+
+
+def test_the_modelscope_token_goes_to_its_endpoint() -> None:
+    policy = stage.model_stage_token_policy("modelscope", "https://www.modelscope.cn", True)
+    assert policy == {"send": True, "note": ""}
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [{"status": 401, "x_error_code": "GatedRepo"}, {"status": 401, "x_error_code": "RepoNotFound"}],
+)
+def test_a_gated_model_behind_a_mirror_names_the_withheld_token(answer: dict) -> None:
+    note = stage.model_stage_token_policy("huggingface", "https://hf-mirror.com", True)["note"]
+    request = stage.model_stage_source({"path": "Qwen/Qwen3-8B"}, "m", SETTINGS)
+    error = stage.model_stage_probe(request, answer, False, SETTINGS["hub_dir"], note)["error"]
+    assert "hf_token is set but not sent to https://hf-mirror.com" in error
+    assert "hf_token_to_endpoint=true" in error
+
+
 def test_modelscope_refusals_in_a_200_answer_are_failures() -> None:
     answer = {"status": 200, "content": json.dumps({"Success": False, "Message": "not exist"})}
     assert "not exist" in _probed(answer, hub="modelscope")["error"]

@@ -8,13 +8,21 @@ The lab proves the rest end to end: molecule/train/tests/test_serve.py.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from ansible_collections.llama.cluster.plugins.filter.serve import (
     ServeError,
     controller_address,
+    serve_api_key_source,
     serve_backend,
     serve_model,
     serve_request,
+    service_listen_address,
     service_request,
     service_sources,
     service_url_host,
@@ -203,14 +211,42 @@ def test_the_controller_is_where_the_node_sees_its_ssh_come_from_else_its_route(
     assert controller_address("", "") == ""
 
 
-def test_the_url_uses_the_address_the_controller_reaches_the_node_at():
+def test_services_listen_on_the_cluster_address_and_the_url_follows_it():
     ssh = {"ansible_host": "gpu1.example.org", "cluster_address": "10.1.0.1"}
-    assert service_url_host(ssh) == "gpu1.example.org"
+    assert service_listen_address(ssh) == "10.1.0.1"
+    # The URL is where the service listens, not where SSH connects.
+    assert service_url_host(ssh) == "10.1.0.1"
     docker = {"ansible_connection": "community.docker.docker", "cluster_address": "172.18.0.3"}
     assert service_url_host(docker) == "172.18.0.3"
+    # service_address: an address that leads there (NAT), where the controller reaches it.
     assert service_url_host({**ssh, "service_address": "public.example.org"}) == (
         "public.example.org"
     )
+    assert service_listen_address({**ssh, "service_address": "public.example.org"}) == "10.1.0.1"
+
+
+@pytest.mark.parametrize("address", ["", "0.0.0.0", "::", None])
+def test_a_node_without_a_cluster_address_is_refused_not_opened_to_every_interface(address):
+    node = {"inventory_hostname": "gpu1", "cluster_address": address}
+    with pytest.raises(ServeError, match="gpu1 has no cluster_address"):
+        service_listen_address(node)
+
+
+def test_a_given_api_key_is_used_and_never_printed():
+    chosen = serve_api_key_source(True, False, "/home/me/.cache/llama-cluster/serve_api_key")
+    assert chosen["source"] == "given"
+    assert chosen["show"] is False
+    assert chosen["hint"] == "Authorization: Bearer $LLAMA_SERVE_API_KEY"
+
+
+def test_without_a_key_one_is_generated_and_shown_once_then_read_from_its_file():
+    key_file = "/home/me/.cache/llama-cluster/serve_api_key"
+    first = serve_api_key_source(False, False, key_file)
+    assert (first["source"], first["show"]) == ("new", True)
+    assert key_file in first["note"]
+    later = serve_api_key_source(False, True, key_file)
+    assert (later["source"], later["show"]) == ("file", False)
+    assert later["hint"] == f"Authorization: Bearer $(cat {key_file})"
     assert url("172.18.0.3", 8000) == "http://172.18.0.3:8000"
     assert url("fd00::3", 8000) == "http://[fd00::3]:8000"
 
@@ -294,3 +330,66 @@ def test_a_bad_request_fails_before_any_node_is_contacted(tmp_path, playbook, ex
     assert rc != 0, out[-2000:]
     assert message in out, out[-2000:]
     assert "UNREACHABLE" not in out
+
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY_PLAYBOOK = """
+- name: Choose the serving key on the controller
+  hosts: localhost
+  gather_facts: false
+  tasks:
+    - name: Run the serve role's key tasks
+      ansible.builtin.include_role:
+        name: serve
+        tasks_from: api_key
+    - name: Keep what was chosen, for the test
+      ansible.builtin.copy:
+        dest: "{{ out }}"
+        content: "{{ {'plan': __serve_key, 'key': __serve_api_key} | to_json }}"
+        mode: "0600"
+      no_log: true
+"""
+
+
+def _choose_key(tmp_path: Path, key_file: Path, given: str = "") -> dict:
+    playbook = tmp_path / "key.yml"
+    playbook.write_text(KEY_PLAYBOOK)
+    out = tmp_path / "chosen.json"
+    env = {**os.environ, "LLAMA_SERVE_API_KEY": given, "ANSIBLE_NOCOLOR": "1"}
+    done = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("ansible-playbook")),
+            str(playbook),
+            "-e",
+            f"out={out} serve_api_key_file={key_file}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
+    chosen = json.loads(out.read_text())
+    assert chosen["key"] not in done.stdout  # the key tasks print nothing of it
+    return chosen
+
+
+def test_the_serving_key_is_generated_once_0600_on_the_controller_and_reused(tmp_path: Path):
+    key_file = tmp_path / "cache" / "serve_api_key"
+    first = _choose_key(tmp_path, key_file)
+    assert first["plan"]["source"] == "new"
+    assert first["plan"]["show"] is True
+    assert len(first["key"]) == 40
+    assert first["key"].isalnum()
+    assert key_file.read_text().strip() == first["key"]
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    assert key_file.parent.stat().st_mode & 0o777 == 0o700
+    again = _choose_key(tmp_path, key_file)
+    assert again["plan"]["source"] == "file"
+    assert again["plan"]["show"] is False
+    assert again["key"] == first["key"]
+    given = _choose_key(tmp_path, tmp_path / "unused", given="my-own-key-123")
+    assert given["plan"]["source"] == "given"
+    assert given["key"] == "my-own-key-123"
+    assert not (tmp_path / "unused").exists()

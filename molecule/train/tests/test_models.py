@@ -280,6 +280,9 @@ def _stage_from_hub(endpoint: str, *extra: str) -> subprocess.CompletedProcess[s
         f"hf_endpoint={endpoint}",
         "-e",
         f"hf_token={TOKEN}",
+        # The stand-in hub is not huggingface.co: it gets the token only when trusted with it.
+        "-e",
+        "hf_token_to_endpoint=true",
         *extra,
     )
 

@@ -219,7 +219,18 @@ def test_the_runs_adapter_is_served_to_the_cluster_and_refused_to_an_outsider() 
     assert answer["role"] == "assistant", answer
     assert answer["tokens"] >= 1, answer
     assert answer["finish"] in {"stop", "length"}, answer
+    # The key is required: no key and a wrong one are refused alike.
+    assert _ask("controller", key="")["status"] == 401
     assert _ask("controller", key="wrong")["status"] == 401
+    # It listens on the master's cluster address only, not on every interface (127.0.0.1).
+    loopback = subprocess.run(
+        ["docker", "exec", NODES[0], "python3", "-c", ASK, f"http://127.0.0.1:{SERVE_PORT}",
+         API_KEY, "8"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )  # fmt: skip
+    assert json.loads(loopback.stdout.strip().splitlines()[-1])["status"] is None, loopback
     # A cluster node is a configured source; a container of the same network is not.
     assert _ask(NODES[1])["status"] == 200
     subprocess.run(

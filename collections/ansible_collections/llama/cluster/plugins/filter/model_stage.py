@@ -2,7 +2,9 @@
 
 `model_stage_source` turns a catalogue entry (plus the run's overrides) into a staging request:
 a hub id to download on every node, a directory of the controller to copy to every node, or a
-directory on shared storage to use where it is. `model_stage_probe` reads the controller's
+directory on shared storage to use where it is. `model_stage_token_policy` says whether the
+Hugging Face token may go to the endpoint (huggingface.co only, unless the user trusts a
+mirror with hf_token_to_endpoint). `model_stage_probe` reads the controller's
 probe of the hub (config.json) and pins the request to the commit the hub answered with, or
 says why the model cannot be had. Both return an `error` instead of raising, so that the
 playbook can fail with that sentence before any node changes.
@@ -15,7 +17,7 @@ import posixpath
 import re
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 HUBS = ("huggingface", "modelscope")
 DEFAULT_REVISION = {"huggingface": "main", "modelscope": "master"}
@@ -25,6 +27,8 @@ COMMIT = re.compile(r"^[0-9a-f]{40}$")
 # Names the staging role keeps for itself inside the models directory.
 RESERVED = ("hub",)
 TOKEN_VARIABLE = {"huggingface": "hf_token", "modelscope": "modelscope_token"}
+# Hosts of the Hugging Face Hub itself: the only ones that get hf_token unless trusted.
+HF_HOSTS = ("huggingface.co", "hf.co")
 
 
 def _flag(value: object) -> bool:
@@ -42,6 +46,38 @@ def _safe(name: str) -> str:
 def _failed(request: dict[str, Any], message: str) -> dict[str, Any]:
     """The request, refused with a sentence that names the model."""
     return {**request, "error": f"Model {request['name']}: {message}"}
+
+
+def _official_hf_host(endpoint: str) -> bool:
+    """Whether an endpoint is the Hugging Face Hub itself, over HTTPS."""
+    try:
+        parts = urlsplit(endpoint.strip())
+        host = (parts.hostname or "").lower().rstrip(".")
+    except ValueError:
+        return False
+    official = any(host == name or host.endswith("." + name) for name in HF_HOSTS)
+    return parts.scheme == "https" and official
+
+
+def model_stage_token_policy(
+    hub: str, endpoint: str, token_given: object, to_endpoint: object = False
+) -> dict[str, Any]:
+    """Whether the hub token goes to `endpoint`: {'send': bool, 'note': why it does not}.
+
+    The Hugging Face token goes to https://huggingface.co (and its subdomains) only: a
+    third-party mirror (hf_endpoint=https://hf-mirror.com) would receive the key to the user's
+    account with every request. `to_endpoint` (hf_token_to_endpoint) is the user saying they
+    trust that endpoint with it. ModelScope's token goes to its endpoint as before.
+    """
+    if not _flag(token_given):
+        return {"send": False, "note": ""}
+    if hub != "huggingface" or _official_hf_host(endpoint) or _flag(to_endpoint):
+        return {"send": True, "note": ""}
+    note = (
+        f"hf_token is set but not sent to {endpoint}, which is not https://huggingface.co: set "
+        "hf_token_to_endpoint=true if you trust that endpoint with your Hugging Face token."
+    )
+    return {"send": False, "note": note}
 
 
 def model_stage_source(
@@ -173,7 +209,18 @@ def _reason(msg: str) -> str:
     return re.sub(r"^<urlopen error (.*)>$", r"\1", reason)
 
 
-def _refusal(request: Mapping[str, Any], answer: Mapping[str, Any], token_given: bool) -> str:
+def _private_hint(token: str, token_given: bool, withheld: str) -> str:
+    """How to reach a model that may be private, after "Check the id"."""
+    if token_given:
+        return "."
+    if withheld:
+        return f"; if it is private, {withheld}"
+    return f", or give {token} if the model is private."
+
+
+def _refusal(
+    request: Mapping[str, Any], answer: Mapping[str, Any], token_given: bool, withheld: str
+) -> str:
     """Why the hub did not hand out config.json, or "" when it did (HTTP 200)."""
     hub, repo, revision = request["hub"], request["repo"], request["revision"]
     token = TOKEN_VARIABLE[hub]
@@ -198,6 +245,7 @@ def _refusal(request: Mapping[str, Any], answer: Mapping[str, Any], token_given:
             f"the token ({token}) was refused (HTTP {status}): accept the model's licence on its "
             "page with the account the token belongs to, and check the token.",
         ),
+        (denied and bool(withheld), f"the model is gated or private (HTTP {status}); {withheld}"),
         (
             denied,
             f"the model is gated or private (HTTP {status}): give a token with access, e.g. "
@@ -207,8 +255,7 @@ def _refusal(request: Mapping[str, Any], answer: Mapping[str, Any], token_given:
         (
             status == 404 or code == "RepoNotFound",
             f"the hub has no model {repo} (HTTP {status}). Check the id"
-            + ("" if token_given else f", or give {token} if the model is private")
-            + ".",
+            + _private_hint(token, token_given, withheld),
         ),
         (status != 200, f"the hub answered HTTP {status} for {request['probe_url']}."),
     ]
@@ -220,11 +267,13 @@ def model_stage_probe(
     answer: Mapping[str, Any],
     token_given: bool,
     hub_dir: str,
+    withheld: str = "",
 ) -> dict[str, Any]:
     """The request pinned to the hub's commit, with the model's config; or the reason it failed.
 
     answer: the registered result of ansible.builtin.uri (status, msg, content, and the
-    response headers as lower-case keys with '_' for '-').
+    response headers as lower-case keys with '_' for '-'). token_given: a token was sent;
+    withheld: model_stage_token_policy's note when one was set but not sent.
     """
     where = f"{request['repo']}, revision {request['revision']}, at {request['endpoint']}"
     refused = dict(request, config={})
@@ -232,7 +281,7 @@ def model_stage_probe(
     def fail(message: str) -> dict[str, Any]:
         return _failed(refused, f"({where}) {message} Nothing was changed on any node.")
 
-    message = _refusal(request, answer, token_given)
+    message = _refusal(request, answer, token_given, withheld)
     if message:
         return fail(message)
     try:
@@ -259,4 +308,8 @@ class FilterModule:
 
     def filters(self) -> dict[str, Any]:
         """The filters this plugin provides."""
-        return {"model_stage_source": model_stage_source, "model_stage_probe": model_stage_probe}
+        return {
+            "model_stage_source": model_stage_source,
+            "model_stage_probe": model_stage_probe,
+            "model_stage_token_policy": model_stage_token_policy,
+        }

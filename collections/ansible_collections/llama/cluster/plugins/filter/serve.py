@@ -5,8 +5,11 @@ decisions, each with a unit test in tests/test_serve.py (tracking: plugins/filte
 - `serve_model`: the model directory, adapter, template and name of a run, a catalogue model or
   an export directory;
 - `serve_backend`: LLaMA-Factory's HF backend on CPUs, vLLM on GPUs that have it;
-- `service_sources` and `service_url_host`: who may reach a service's port, and where the
-  controller reaches it;
+- `service_sources`, `service_listen_address` and `service_url_host`: who may reach a
+  service's port, the address it listens on (the node's cluster address, never 0.0.0.0), and
+  where the controller reaches it;
+- `serve_api_key_source`: which API key a server requires (the user's, or one generated on
+  first use and kept in a 0600 file on the controller), and what to print about it;
 
 Standard library only; errors are `ServeError` (a filter error in Ansible) naming the fix.
 """
@@ -27,8 +30,6 @@ STATES = ("present", "absent")
 CATALOGUE_FILE = "group_vars/all/models.yml"
 SERVE_FILE = "group_vars/all/serve.yml"
 SOURCE_RE = re.compile(r"^(any|[0-9a-fA-F.:]+(/[0-9]{1,3})?)$")
-# Connections whose ansible_host is where the controller itself reaches the node.
-NETWORK_CONNECTIONS = ("ssh", "paramiko", "paramiko_ssh", "smart", "ansible.builtin.ssh")
 
 
 class ServeError(_BaseError):
@@ -354,18 +355,54 @@ def controller_address(ssh_connection: str, route: str) -> str:
     return match.group(1) if match else ""
 
 
+UNSPECIFIED = ("", "0.0.0.0", "::", "[::]")
+
+
+def service_listen_address(node: Mapping[str, Any]) -> str:
+    """The address a service listens on: the node's cluster_address (`node` is its hostvars).
+
+    Never every interface: a server with a public interface would offer an unauthenticated
+    TensorBoard, or an API to anyone who learns its key, to the internet wherever ufw is off.
+    """
+    address = str(node.get("cluster_address") or "").strip()
+    if address in UNSPECIFIED:
+        raise ServeError(
+            f"{node.get('inventory_hostname', 'a node')} has no cluster_address to listen on "
+            f"(got {address!r}): set cluster_address to its address on the cluster network."
+        )
+    return address
+
+
 def service_url_host(node: Mapping[str, Any]) -> str:
     """Where the controller reaches a service on a node (`node` is its hostvars).
 
-    service_address when the inventory sets it; over SSH, the address the controller connects to
-    (ansible_host); otherwise (docker, local connections) the node's cluster_address.
+    service_address when the inventory sets it (an address that leads to the node's cluster
+    address, e.g. through NAT); otherwise the address the service listens on.
     """
     if node.get("service_address"):
         return str(node["service_address"])
-    connection = str(node.get("ansible_connection") or "ssh")
-    if connection in NETWORK_CONNECTIONS:
-        return str(node.get("ansible_host") or node.get("inventory_hostname"))
-    return str(node.get("cluster_address") or node.get("inventory_hostname"))
+    return service_listen_address(node)
+
+
+def serve_api_key_source(given: object, file_exists: object, key_file: str) -> dict[str, Any]:
+    """Which API key the server requires, and what the play prints about it.
+
+    given: a key was set (serve_api_key: LLAMA_SERVE_API_KEY, a vault or -e); file_exists: the
+    controller's key file is there. Returns source (given, file or new), show (print the key:
+    only once, when it is made) and hint (the curl header that sends it, without the key).
+    """
+    if as_flag(given):
+        return {
+            "source": "given",
+            "show": False,
+            "hint": "Authorization: Bearer $LLAMA_SERVE_API_KEY",
+            "note": "the API key you gave (serve_api_key)",
+        }
+    hint = f"Authorization: Bearer $(cat {key_file})"
+    if as_flag(file_exists):
+        return {"source": "file", "show": False, "hint": hint, "note": f"API key in {key_file}"}
+    note = f"API key generated now, kept in {key_file} (0600); shown this once"
+    return {"source": "new", "show": True, "hint": hint, "note": note}
 
 
 def url(host: str, port: int) -> str:
@@ -386,5 +423,7 @@ class FilterModule:
             "service_sources": service_sources,
             "service_controller_address": controller_address,
             "service_url_host": service_url_host,
+            "service_listen_address": service_listen_address,
+            "serve_api_key_source": serve_api_key_source,
             "service_url": url,
         }
