@@ -3,6 +3,11 @@ one case per situation a node can be in, and bad facts failing with the node's n
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -224,3 +229,61 @@ def test_a_bad_pin_fails_naming_it():
         decide(facts(), pin={"branch": "r580"})
     with pytest.raises(AnsibleFilterError, match="driver_min is 'new'"):
         decide(facts(), build={"driver_min": "new", "cuda_version": "12.8"})
+
+
+# The facts the decision reads, as roles/host_facts/files/gpu_probe.py records them.
+
+PROBE = Path(__file__).resolve().parents[1] / "roles/host_facts/files/gpu_probe.py"
+
+
+def probe(tmp_path: Path, sysfs: Path, modinfo_version: str | None) -> dict[str, Any]:
+    """Run the probe on an empty PCI bus with a fake sysfs and a fake modinfo on PATH."""
+    pci = tmp_path / "pci"
+    pci.mkdir(exist_ok=True)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    modinfo = bin_dir / "modinfo"
+    if modinfo_version is None:
+        modinfo.write_text(
+            "#!/bin/sh\necho 'modinfo: ERROR: Module nvidia not found.' >&2\nexit 1\n"
+        )
+    else:
+        modinfo.write_text(f'#!/bin/sh\n[ "$3" = nvidia ] && echo {modinfo_version}\n')
+    modinfo.chmod(0o755)
+    proc = subprocess.run(
+        [sys.executable, str(PROBE), str(pci), str(sysfs)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PATH": str(bin_dir)},
+    )
+    return json.loads(proc.stdout)
+
+
+def test_gpu_probe_records_a_pending_module_nouveau_and_secure_boot(tmp_path: Path):
+    sysfs = tmp_path / "sys"
+    (sysfs / "module/nouveau").mkdir(parents=True)
+    efivars = sysfs / "firmware/efi/efivars"
+    efivars.mkdir(parents=True)
+    var = efivars / "SecureBoot-8be4df61-93ca-11d2-aa0d-00e098032b8c"
+    var.write_bytes(b"\x06\x00\x00\x00\x01")
+    found = probe(tmp_path, sysfs, "580.95.05")
+    assert found["driver_installed"] == "580.95.05"
+    assert found["driver_loaded"] is False
+    assert found["nouveau_loaded"] is True
+    assert found["secure_boot"] is True
+
+    var.write_bytes(b"\x06\x00\x00\x00\x00")
+    (sysfs / "module/nouveau").rmdir()
+    found = probe(tmp_path, sysfs, None)
+    assert (found["driver_installed"], found["nouveau_loaded"], found["secure_boot"]) == (
+        None,
+        False,
+        False,
+    )
+
+
+def test_gpu_probe_reports_no_secure_boot_on_a_bios_boot(tmp_path: Path):
+    sysfs = tmp_path / "sys"
+    sysfs.mkdir()
+    assert probe(tmp_path, sysfs, None)["secure_boot"] is False
