@@ -134,9 +134,9 @@ def test_installed_but_not_loaded_needs_a_reboot_not_a_reinstall():
     )
     assert decision["stop"] == (
         "gpu2: no NVIDIA driver is loaded; driver 580.95.05 is installed but not loaded: a"
-        " reboot is pending, no reinstall. provision.yml reboots a node only when allowed, so"
-        " nothing was changed on gpu2. Continue with: ansible-playbook provision.yml"
-        " -e allow_reboot=true --limit gpu2 or reboot gpu2 by hand and run provision.yml again."
+        " reboot is pending, no reinstall. provision.yml reboots a node only when allowed."
+        " Continue with: ansible-playbook provision.yml -e allow_reboot=true --limit gpu2 or"
+        " reboot gpu2 by hand and run provision.yml again."
     )
     with_inventory = decide(
         facts(None, driver_installed="580.95.05"), inventory=["/srv/inv/hosts.yml"]

@@ -153,12 +153,14 @@ def _stop(case: _Case, decision: dict[str, Any], policy: Mapping[str, Any]) -> s
         )
     if policy["allow_reboot"]:
         return ""
-    untouched = ""
+    # Before an install nothing has changed yet; a pending reboot may follow this run's install.
+    untouched = f", so nothing was changed on {host}"
     if decision["action"] == "keep":
+        untouched = ""
         by_hand = f"or reboot {host} by hand and run {playbook} again"
     elif decision["loaded"]:
         by_hand = f"or install {case.new} and reboot {host} by hand, then run {playbook} again"
-        untouched = (
+        untouched += (
             " (the new driver's libraries beside the loaded module would break the CUDA"
             " programs running on it)"
         )
@@ -167,8 +169,8 @@ def _stop(case: _Case, decision: dict[str, Any], policy: Mapping[str, Any]) -> s
     sources = "".join(f"-i {source} " for source in policy["inventory"])
     command = f"ansible-playbook {sources}{playbook} -e allow_reboot=true --limit {host}"
     return (
-        f"{host}: {decision['reason']}. {playbook} reboots a node only when allowed, so nothing"
-        f" was changed on {host}{untouched}. Continue with: {command} {by_hand}."
+        f"{host}: {decision['reason']}. {playbook} reboots a node only when allowed{untouched}."
+        f" Continue with: {command} {by_hand}."
     )
 
 
