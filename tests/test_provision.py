@@ -110,12 +110,30 @@ class Lab:
         return proc
 
 
+BARE_GPU_NODE = {
+    "gpu_count": 1,
+    "driver_loaded": False,
+    "driver_version": None,
+    "driver_installed": None,
+    "nouveau_loaded": False,
+    "secure_boot": False,
+}
+
 PLAN_PLAYBOOK = [
     {
         "name": "Render what the GPU roles would install",
         "hosts": "cluster",
+        "vars": {"bare_gpu_node": BARE_GPU_NODE},
         "gather_facts": False,
-        "tasks": [{"ansible.builtin.include_role": {"name": "host_facts", "tasks_from": "os.yml"}}]
+        "tasks": [
+            {"ansible.builtin.include_role": {"name": "host_facts", "tasks_from": "os.yml"}},
+            # What host_facts' probe would find: a GPU, and the driver state a test gives.
+            {
+                "ansible.builtin.set_fact": {
+                    "__host_facts_gpus": "{{ node_facts | default(bare_gpu_node) }}"
+                }
+            },
+        ]
         + [
             {"ansible.builtin.include_role": {"name": role, "tasks_from": "plan.yml"}}
             for role in ("nvidia_driver", "cuda_toolkit", "nccl")
@@ -128,6 +146,7 @@ PLAN_PLAYBOOK = [
                     "content": "{{ {"
                     "'driver_packages': __nvidia_driver_packages,"
                     "'driver_repo_lines': __nvidia_driver_repo_lines,"
+                    "'driver_decision': __nvidia_driver_decision,"
                     "'cuda_repo_line': __cuda_toolkit_repo_line,"
                     "'cuda_key_url': __cuda_toolkit_repo_key_url,"
                     "'toolkit_packages': __cuda_toolkit_packages,"
@@ -179,6 +198,14 @@ def test_gpu_plan_uses_each_distros_driver_packages_and_nvidias_cuda_repository(
         "firmware-misc-nonfree",
         headers,
     ]
+    # A node without a driver gets the pinned one, loaded by modprobe (no reboot).
+    assert plans["ubuntu2204"]["driver_decision"]["action"] == "install"
+    assert plans["ubuntu2204"]["driver_decision"]["reason"] == (
+        "no NVIDIA driver is loaded: install branch 580, then load it with modprobe"
+    )
+    assert plans["debian12"]["driver_decision"]["reason"] == (
+        "no NVIDIA driver is loaded: install 535.309.01, then load it with modprobe"
+    )
     # Only Debian needs its non-free components enabled; Ubuntu's drivers are in restricted.
     assert plans["ubuntu2204"]["driver_repo_lines"] == []
     assert plans["debian12"]["driver_repo_lines"] == [
@@ -229,19 +256,54 @@ def test_gpu_plan_from_cuda_repository_uses_cuda_drivers_of_the_branch(gpu_lab: 
         assert plans[host]["nccl_packages"] == []
 
 
-def test_gpu_plan_fails_when_debians_535_driver_is_too_old_for_cuda_13(gpu_lab: Lab):
-    playbook = gpu_lab.root / "plan.yml"
+def plan_failure(lab: Lab, extra: dict) -> str:
+    """Render the plan expecting it to stop; its output on one line."""
+    playbook = lab.root / "plan.yml"
     playbook.write_text(json.dumps(PLAN_PLAYBOOK))
-    proc = gpu_lab.run(
-        playbook,
-        "-e",
-        json.dumps(
-            {"out_dir": str(gpu_lab.out), "cluster_accelerator": "nvidia", "cuda_version": "13.0"}
-        ),
+    args = {"out_dir": str(lab.out), "cluster_accelerator": "nvidia", **extra}
+    proc = lab.run(playbook, "-e", json.dumps(args))
+    assert proc.returncode != 0, proc.stdout
+    return " ".join(proc.stdout.split())
+
+
+def test_gpu_plan_blocks_debians_535_driver_under_cuda_13_but_keeps_a_loaded_580(gpu_lab: Lab):
+    out = plan_failure(gpu_lab, {"cuda_version": "13.0"})
+    assert (
+        "debian12: no NVIDIA driver is loaded, and the driver it would get, 535.309.01-0+deb12u1,"
+        " is older than the minimum 580.65.06 of CUDA 13.0." in out
     )
-    assert proc.returncode != 0
-    assert "debian-12 gets NVIDIA driver 535.309.01-0+deb12u1" in proc.stdout
-    assert "needs a driver >= 580.65.06" in proc.stdout
+    # The same OS with a 580 driver its operator installed: kept, the run goes on.
+    loaded = {**BARE_GPU_NODE, "driver_loaded": True, "driver_version": "580.95.05"}
+    plans = render(gpu_lab, ("cuda_version", "13.0"), ("node_facts", loaded))
+    assert plans["debian12"]["driver_decision"]["action"] == "keep"
+
+
+def test_gpu_plan_keeps_an_older_branch_that_meets_the_cuda_builds_minimum(gpu_lab: Lab):
+    loaded = {**BARE_GPU_NODE, "driver_loaded": True, "driver_version": "550.54.15"}
+    plans = render(gpu_lab, ("node_facts", loaded))
+    for host in SUPPORTED:
+        decision = plans[host]["driver_decision"]
+        assert (decision["action"], decision["reboot"], decision["stop"]) == ("keep", False, "")
+
+
+def test_gpu_plan_stops_a_node_needing_a_reboot_with_the_command_to_continue(gpu_lab: Lab):
+    nouveau = {**BARE_GPU_NODE, "nouveau_loaded": True}
+    out = plan_failure(gpu_lab, {"node_facts": nouveau})
+    # The lab's hosts run on the local connection: each is the controller, never rebooted.
+    assert (
+        "ubuntu2404: nouveau is loaded (it holds the GPUs): install branch 580, then reboot to"
+        " load it. ubuntu2404 is the controller itself, which provision.yml never reboots:"
+        " reboot it by hand, then run provision.yml again." in out
+    )
+    pending = {**BARE_GPU_NODE, "driver_installed": "580.95.05"}
+    out = plan_failure(gpu_lab, {"node_facts": pending, "ansible_connection": "ssh"})
+    assert (
+        "debian12: no NVIDIA driver is loaded; driver 580.95.05 is installed but not loaded: a"
+        " reboot is pending, no reinstall. provision.yml reboots a node only when allowed."
+        " Continue with: ansible-playbook -i"
+        f" {gpu_lab.inventory} provision.yml -e allow_reboot=true --limit debian12 or reboot"
+        " debian12 by hand and run provision.yml again." in out
+    )
 
 
 # provision.yml's pre-flight: each bad input stops the run before the Provision play.

@@ -1,10 +1,12 @@
 """Print the node's NVIDIA GPUs as JSON: from the PCI bus, and from nvidia-smi once a driver runs;
+with them what roles/nvidia_driver decides on (the driver module on disk, nouveau, Secure Boot)
 and the node's RAM (the planner's host memory budget).
 
-Read-only. Usage: gpu_probe.py PCI_DEVICES_DIR
+Read-only. Usage: gpu_probe.py PCI_DEVICES_DIR [SYSFS_DIR (default /sys)]
 """
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -13,6 +15,8 @@ from pathlib import Path
 
 NVIDIA_VENDOR = "0x10de"
 GPU_CLASSES = ("0x0300", "0x0302")  # VGA and 3D controllers; NVSwitches are bridges (0x0680)
+# The UEFI global variable SecureBoot: 4 bytes of attributes, then 1 (enabled) or 0.
+SECURE_BOOT_VAR = "firmware/efi/efivars/SecureBoot-8be4df61-93ca-11d2-aa0d-00e098032b8c"
 
 
 def pci_gpus(devices_dir: Path) -> list[dict]:
@@ -76,9 +80,38 @@ def host_memory_mib(
     return min(sizes) // 2**20 if sizes else None
 
 
+def installed_module() -> str | None:
+    """The version of the nvidia kernel module on disk for the running kernel (what modprobe or the
+    next boot loads), or None without one. modinfo lives in /sbin, off a user's PATH on Debian."""
+    path = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+    modinfo = shutil.which("modinfo", path=path)
+    if modinfo is None:
+        return None
+    proc = subprocess.run(
+        [modinfo, "-F", "version", "nvidia"], capture_output=True, text=True, check=False
+    )
+    version = proc.stdout.strip()
+    return version if proc.returncode == 0 and version else None
+
+
+def secure_boot(sysfs: Path) -> bool | None:
+    """Whether UEFI Secure Boot is on: False on a BIOS boot or without the variable, None when the
+    variable cannot be read."""
+    if not (sysfs / "firmware/efi").is_dir():
+        return False
+    try:
+        data = (sysfs / SECURE_BOOT_VAR).read_bytes()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return None
+    return len(data) >= 5 and data[4] == 1
+
+
 def main() -> None:
     """Print the probe's JSON."""
     gpus = pci_gpus(Path(sys.argv[1]))
+    sysfs = Path(sys.argv[2] if len(sys.argv) > 2 else "/sys")
     driver = cuda = None
     rows = smi(
         "--query-gpu=index,name,memory.total,driver_version,pci.bus_id",
@@ -106,6 +139,9 @@ def main() -> None:
         "driver_version": driver,
         "cuda_version": cuda,
         "host_memory_mib": host_memory_mib(),
+        "driver_installed": installed_module(),
+        "nouveau_loaded": (sysfs / "module/nouveau").is_dir(),
+        "secure_boot": secure_boot(sysfs),
     }
     print(json.dumps(result, sort_keys=True))
 

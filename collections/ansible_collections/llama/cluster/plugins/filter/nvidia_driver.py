@@ -1,0 +1,48 @@
+"""The NVIDIA driver decision for roles/nvidia_driver (plugins/module_utils/driver.py), as a filter.
+
+`facts | llama.cluster.nvidia_driver_action(host=..., driver_min=..., ...)` returns keep, install,
+upgrade or blocked, whether a reboot is needed, the reason and the message the node stops with.
+Bad facts fail the task naming the node and the fact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ansible.errors import AnsibleFilterError
+from ansible_collections.llama.cluster.plugins.module_utils.driver import driver_action
+
+
+def _flag(value: object) -> bool:
+    """A boolean as -e gives it (a string) or as YAML does."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
+
+
+def nvidia_driver_action(facts: Mapping[str, Any], **options: Any) -> dict[str, Any]:  # noqa: ANN401
+    """driver_action (module_utils/driver.py) on the node's facts, its errors as filter errors."""
+    host = str(options.get("host", "this node"))
+    for flag in ("allow_reboot", "controller", "mok_enrolled"):
+        if flag in options:
+            options[flag] = _flag(options[flag])
+    if "inventory" in options:
+        options["inventory"] = [str(source) for source in options["inventory"] or []]
+    try:
+        return driver_action(facts, **options)
+    except ValueError as err:
+        raise AnsibleFilterError(
+            f"{host}: cannot decide on the NVIDIA driver: {err}. Run provision.yml --tags"
+            " host_facts to record the node's facts again."
+        ) from err
+    except TypeError as err:
+        raise AnsibleFilterError(f"nvidia_driver_action: {err}") from err
+
+
+class FilterModule:
+    """The NVIDIA driver decision."""
+
+    def filters(self) -> dict[str, Any]:
+        """Filter names."""
+        return {"nvidia_driver_action": nvidia_driver_action}
