@@ -142,7 +142,7 @@ def test_every_place_is_read() -> None:
     assert "roles/firewall/vars/main.yml" in files
     found = definitions()
     assert [path for path, _ in found["serve_port"]] == ["group_vars/all/serve.yml"]
-    assert [path for path, _ in found["firewall_ssh_port"]] == ["roles/firewall/defaults/main.yml"]
+    assert [path for path, _ in found["firewall_ssh_ports"]] == ["roles/firewall/defaults/main.yml"]
     assert any(key == "serve_port" for key, _, _ in spec_defaults())
 
 

@@ -4,33 +4,65 @@
 community.general.ufw reads ufw's state again for every rule, level and policy, and its
 `default` and `logging` actions reload the firewall each time (1.7 s for a policy that was
 already set); a node's firewall took ten tasks and 10 s of a no-op provision.yml. This module
-reads the state once (`ufw status`, `ufw show added`, ufw's two configuration files) and runs
-ufw only for what differs, in the order that never locks anyone out: the allow rules first, then
-logging and the default policies, then `ufw --force enable`. Rules are only added, as the role
-always did: rules it no longer asks for are left to the operator.
+reads the state once (`ufw status verbose`, `ufw show added`, ufw's two configuration files)
+and runs ufw only for what differs, in the order that never locks anyone out: the allow rules
+first (SSH on every port sshd listens on), then the deletions of the caller's own stale rules,
+then logging and the default policies, then `ufw --force enable`. Before it changes anything it
+can keep a copy of ufw's state, which `state: rolled_back` puts back.
 """
 
 from __future__ import annotations
 
-import re
+import json
+import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.llama.cluster.plugins.module_utils import ufw as ufwtext
 
 DOCUMENTATION = r"""
 module: llama_ufw
 short_description: Bring ufw to a set of allow rules, a logging level, default policies and a state
 description:
-  - Reads ufw's state once and runs ufw only for what differs; allow rules come before the
-    policies and before ufw is enabled.
+  - Reads ufw's state once and runs ufw only for what differs; allow rules come first, then the
+    deletion of stale rules the caller owns (by comment), then the policies, then enable.
+  - SSH is allowed on every TCP port sshd listens on (C(sshd -T), and the listening sockets of
+    sshd processes) plus O(ssh_ports), from O(ssh_sources).
+  - Rules whose comment is not in O(purge_comments) are never deleted.
 options:
   rules:
     description:
-      - Allow rules; each has port (a port, a list "a,b" or a range "a:b"), proto, sources (a
-        list of "any", addresses or networks: one ufw rule each) and comment.
+      - Allow rules; each has port (a port, a list "a,b" or a range "a:b"; empty for every port),
+        proto (tcp, udp; empty for any), sources (a list of "any", addresses or networks: one ufw
+        rule each) and comment.
     type: list
     elements: dict
+    default: []
+  ssh_sources:
+    description: Who may reach sshd; empty adds no SSH rule.
+    type: list
+    elements: str
+    default: []
+  ssh_ports:
+    description: Ports to open for SSH besides those sshd listens on (e.g. ansible_port).
+    type: list
+    elements: int
+    default: []
+  ssh_comment:
+    description: The comment of the SSH rules.
+    type: str
+    default: llama-cluster ssh
+  ssh_required:
+    description: Fail when no SSH port is found (the controller reaches the node over SSH).
+    type: bool
+    default: false
+  purge_comments:
+    description: Comments of the rules the caller owns; such a rule not asked for is deleted.
+    type: list
+    elements: str
     default: []
   logging:
     description: ufw's logging level (off, low, medium, high, full); empty leaves it.
@@ -45,10 +77,16 @@ options:
     type: str
     default: ""
   state:
-    description: enabled or disabled.
+    description:
+      - enabled or disabled; rolled_back puts back the state saved in O(rollback_dir) by the
+        last call that changed something.
     type: str
     default: enabled
-    choices: [enabled, disabled]
+    choices: [enabled, disabled, rolled_back]
+  rollback_dir:
+    description: Where to keep ufw's state before a change (0700); empty keeps none.
+    type: path
+    default: ""
 author: llama-cluster
 """
 
@@ -57,107 +95,96 @@ commands:
   description: The ufw commands run (or, in check mode, that would run).
   type: list
   returned: always
+ssh_ports:
+  description: The ports SSH is allowed on.
+  type: list
+  returned: always
+was_active:
+  description: Whether ufw was active before this call.
+  type: bool
+  returned: always
+saved:
+  description: Whether ufw's previous state was saved in rollback_dir.
+  type: bool
+  returned: always
 """
 
-POLICY_OF = {"DROP": "deny", "ACCEPT": "allow", "REJECT": "reject"}
 UFW_CONF = Path("/etc/ufw/ufw.conf")
 UFW_DEFAULTS = Path("/etc/default/ufw")
+# What `ufw` keeps of its state: the user rules (IPv4, IPv6), enabled and logging, the policies.
+STATE_FILES = (
+    Path("/etc/ufw/user.rules"),
+    Path("/etc/ufw/user6.rules"),
+    UFW_CONF,
+    UFW_DEFAULTS,
+)
 
 
-def shell_value(text: str, key: str) -> str:
-    """The value of KEY=value (quotes dropped) in a shell-style configuration file, or ''."""
-    match = re.search(rf"^{key}=[\"']?([^\"'\n]*)", text, re.M)
-    return match.group(1).strip() if match else ""
+def sshd_listening_inodes() -> set[str]:
+    """The socket inodes that sshd processes hold open."""
+    inodes: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if (proc / "comm").read_text().strip() not in {"sshd", "sshd-session"}:
+                continue
+            for fd in (proc / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    return inodes
 
 
-def added_line(rule: dict[str, str]) -> str:
-    """The rule as `ufw show added` prints it."""
-    comment = f" comment '{rule['comment']}'" if rule.get("comment") else ""
-    if rule["src"] == "any":
-        return f"ufw allow {rule['port']}/{rule['proto']}{comment}"
-    return f"ufw allow from {rule['src']} to any port {rule['port']} proto {rule['proto']}{comment}"
+def detect_ssh_ports(module: AnsibleModule) -> list[int]:
+    """The ports sshd listens on: its effective configuration, then its sockets."""
+    ports: set[int] = set()
+    sshd = module.get_bin_path("sshd", opt_dirs=["/usr/sbin"])
+    if sshd:
+        rc, out, _ = module.run_command([sshd, "-T"], environ_update={"LC_ALL": "C"})
+        if rc == 0:
+            ports.update(ufwtext.sshd_ports(out))
+    inodes = sshd_listening_inodes()
+    for table in (Path("/proc/net/tcp"), Path("/proc/net/tcp6")):
+        if inodes and table.exists():
+            ports.update(ufwtext.listening_ports(table.read_text(), inodes))
+    return sorted(ports)
 
 
-def rule_command(rule: dict[str, str]) -> list[str]:
-    """The ufw command line that adds the rule."""
-    argv = ["allow", "proto", rule["proto"], "from", rule["src"], "to", "any"]
-    argv += ["port", str(rule["port"])]
-    if rule.get("comment"):
-        argv += ["comment", rule["comment"]]
-    return argv
-
-
-def plan(
-    params: dict[str, Any], *, active: bool, added: str, conf: str, defaults: str
-) -> list[list[str]]:
-    """The ufw commands (argv after `ufw`) that bring the node to params, in a safe order.
-
-    active: `ufw status` says active; added: `ufw show added`; conf, defaults: the texts of
-    /etc/ufw/ufw.conf and /etc/default/ufw.
-    """
-    existing = {line.strip() for line in added.splitlines()}
-    commands = [rule_command(r) for r in params["rules"] if added_line(r) not in existing]
-    level = shell_value(conf, "LOGLEVEL") or "off"
-    if params["logging"] and params["logging"] != level:
-        commands.append(["logging", params["logging"]])
-    for direction, key in (
-        ("incoming", "DEFAULT_INPUT_POLICY"),
-        ("outgoing", "DEFAULT_OUTPUT_POLICY"),
-    ):
-        want = params[f"default_{direction}"]
-        if want and POLICY_OF.get(shell_value(defaults, key)) != want:
-            commands.append(["default", want, direction])
-    if params["state"] == "enabled" and not active:
-        commands.append(["--force", "enable"])
-    if params["state"] == "disabled" and active:
-        commands.append(["disable"])
-    return commands
-
-
-def expand(rules: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """One rule per source, in the order given."""
-    return [
-        {
-            "port": str(rule.get("port", "")),
-            "proto": str(rule.get("proto", "")),
-            "src": str(src),
-            "comment": str(rule.get("comment", "")),
-        }
-        for rule in rules
-        for src in rule.get("sources", [])
-    ]
-
-
-def check_rules(rules: list[dict[str, Any]]) -> str:
-    """'' when every rule has what ufw needs, else what is wrong."""
-    for rule in rules:
-        missing = [key for key in ("port", "proto", "src") if not str(rule.get(key, "")).strip()]
-        if missing:
-            return f"rule {rule} lacks {', '.join(missing)}"
-        if not re.fullmatch(r"[0-9]+([,:][0-9]+)*", str(rule["port"])):
-            return f"rule {rule}: port must be a port, a list a,b or a range a:b"
-        if "'" in str(rule.get("comment", "")):
-            return f"rule {rule}: a comment cannot hold a quote"
-    return ""
+def save_state(directory: Path, active: bool) -> None:
+    """Copy ufw's state files and whether it was active into directory."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for path in STATE_FILES:
+        if path.exists():
+            shutil.copy2(path, directory / path.name)
+    (directory / "state.json").write_text(json.dumps({"active": active}))
 
 
 def main() -> None:
-    """Read ufw's state, run what differs, report the commands."""
+    """Read ufw's state, run what differs (or put the saved state back), report the commands."""
     module = AnsibleModule(
         argument_spec={
             "rules": {"type": "list", "elements": "dict", "default": []},
+            "ssh_sources": {"type": "list", "elements": "str", "default": []},
+            "ssh_ports": {"type": "list", "elements": "int", "default": []},
+            "ssh_comment": {"type": "str", "default": "llama-cluster ssh"},
+            "ssh_required": {"type": "bool", "default": False},
+            "purge_comments": {"type": "list", "elements": "str", "default": []},
             "logging": {"type": "str", "default": ""},
             "default_incoming": {"type": "str", "default": ""},
             "default_outgoing": {"type": "str", "default": ""},
-            "state": {"type": "str", "default": "enabled", "choices": ["enabled", "disabled"]},
+            "state": {
+                "type": "str",
+                "default": "enabled",
+                "choices": ["enabled", "disabled", "rolled_back"],
+            },
+            "rollback_dir": {"type": "path", "default": ""},
         },
         supports_check_mode=True,
     )
-    params = dict(module.params)
-    params["rules"] = expand(params["rules"])
-    problem = check_rules(params["rules"])
-    if problem:
-        module.fail_json(msg=f"llama_ufw: {problem}")
+    params: dict[str, Any] = dict(module.params)
     ufw = module.get_bin_path("ufw", required=True)
 
     def run(*argv: str) -> str:
@@ -166,24 +193,80 @@ def main() -> None:
             module.fail_json(msg=f"ufw {' '.join(argv)} failed (rc {rc}): {(err or out).strip()}")
         return out
 
-    status = run("status")
-    commands = plan(
+    active = ufwtext.parse_status(run("status", "verbose")).active
+    if params["state"] == "rolled_back":
+        roll_back(module, run, Path(params["rollback_dir"]), active)
+
+    ssh_ports: list[int] = []
+    if params["ssh_sources"]:
+        ssh_ports = sorted(set(detect_ssh_ports(module)) | set(params["ssh_ports"]))
+        if not ssh_ports and params["ssh_required"]:
+            module.fail_json(
+                msg="llama_ufw: no port found that sshd listens on (sshd -T, listening sockets) "
+                "and no ssh_ports given: set firewall_ssh_ports to the SSH port of this node."
+            )
+    ssh_rules = [
+        {"port": port, "proto": "tcp", "sources": params["ssh_sources"]}
+        | {"comment": params["ssh_comment"]}
+        for port in ssh_ports
+    ]
+    rules = ufwtext.expand(ssh_rules + params["rules"])
+    problem = ufwtext.check_rules(rules)
+    if problem:
+        module.fail_json(msg=f"llama_ufw: {problem}")
+    params["rules"] = rules
+    plan = ufwtext.plan(
         params,
-        active=status.startswith("Status: active"),
+        active=active,
         added=run("show", "added"),
         conf=UFW_CONF.read_text() if UFW_CONF.exists() else "",
         defaults=UFW_DEFAULTS.read_text() if UFW_DEFAULTS.exists() else "",
     )
+    commands = plan.commands()
+    saved = False
+    if commands and not module.check_mode and params["rollback_dir"]:
+        save_state(Path(params["rollback_dir"]), active)
+        saved = True
     changed = bool(commands)
     if not module.check_mode:
         changed = False
         for argv in commands:
             out = run(*argv)
-            # A rule that `show added` spells otherwise than added_line: ufw skips it and says so.
+            # A rule ufw already has in another spelling: ufw skips it and says so.
             lines = [line for line in out.splitlines() if line.strip()]
             if argv[0] != "allow" or not all(line.startswith("Skipping") for line in lines):
                 changed = True
-    module.exit_json(changed=changed, commands=[" ".join(["ufw", *argv]) for argv in commands])
+    module.exit_json(
+        changed=changed,
+        commands=[" ".join(["ufw", *argv]) for argv in commands],
+        ssh_ports=ssh_ports,
+        was_active=active,
+        saved=saved,
+    )
+
+
+def roll_back(
+    module: AnsibleModule, run: Callable[..., str], directory: Path, active: bool
+) -> None:
+    """Put back the ufw state saved in directory; exits the module."""
+    state_file = directory / "state.json"
+    if not state_file.exists():
+        module.fail_json(msg=f"llama_ufw: nothing to roll back to: {state_file} does not exist")
+    was_active = bool(json.loads(state_file.read_text())["active"])
+    commands = [["reload"]] if was_active else [["disable"]] if active else []
+    if not module.check_mode:
+        for path in STATE_FILES:
+            if (directory / path.name).exists():
+                shutil.copy2(directory / path.name, path)
+        for argv in commands:
+            run(*argv)
+    module.exit_json(
+        changed=True,
+        commands=[" ".join(["ufw", *argv]) for argv in commands],
+        ssh_ports=[],
+        was_active=active,
+        saved=False,
+    )
 
 
 if __name__ == "__main__":
