@@ -847,7 +847,9 @@ def collect(paths: list[Path], to: Path) -> None:
             "of the training process. old_predicted_gib: the planner's Memory.need before this "
             "grid. tokens_per_s is clean only where alone is true."
         ),
-        "shapes": {k: v for k, v in SHAPES.items() if k != "tiny"},
+        "shapes": {
+            k: {**v, "params": rp.model_params(v)} for k, v in SHAPES.items() if k != "tiny"
+        },
         "points": out,
     }
     to.write_text(json.dumps(payload, indent=1) + "\n")
