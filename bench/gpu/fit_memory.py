@@ -163,7 +163,7 @@ def mfu(shape: mm.Shape, p: dict[str, Any]) -> float | None:
     get no weight gradients), N without a separate input embedding (a lookup)."""
     if not p.get("tokens_per_s"):
         return None
-    n = shape.params - (shape.vocab * shape.hidden if shape.params > 7e9 else 0)
+    n = shape.params - (0 if shape.tied else shape.vocab * shape.hidden)
     per_token = (6 if p["finetuning"] == "full" else 4) * n
     return per_token * p["tokens_per_s"] / (PEAK_TFLOPS * 1e12)
 
@@ -191,7 +191,11 @@ def main() -> int:
         errs = errors(shapes, half, coef)
         worst = max(abs(e[3]) for e in errs)
         under = min(e[3] for e in errs)
-        print(f"{label}: {len(errs)} points, max |error| {worst:.1%}, worst under {under:.1%}")
+        mean = sum(abs(e[3]) for e in errs) / len(errs)
+        print(
+            f"{label}: {len(errs)} points, mean |error| {mean:.1%}, max |error| {worst:.1%}, "
+            f"worst under {under:.1%}"
+        )
         for name, pred, meas, err in errs:
             print(f"  {name:45s} {pred:7.2f} {meas:7.2f} {err:+.1%}")
     if args.table:
