@@ -159,7 +159,7 @@ def plan(
         shape=model["shape"],
         world=world,
         coefficients=data.memory,
-        budget=gib * GIB * float(data.memory["usable_fraction"]) if gib else None,
+        budget=Memory.usable(gib) if gib else None,
         host_budget=(
             host_gib * GIB * float(data.memory["host_usable_fraction"]) if host_gib else None
         ),

@@ -1,6 +1,20 @@
-"""The memory model: GPU memory of a training process by stage, checkpointing and micro-batch,
-and the host memory of a node's processes (coefficients: training_memory in
-group_vars/all/training.yml). Both are budgets: a plan that does not fit either is not chosen.
+"""The memory model the planner decides with: GPU memory of a training process by stage,
+checkpointing and micro-batch, and the host memory of a node's processes. Both are budgets: a
+plan that does not fit either is not chosen.
+
+One process on one GPU is what was measured (`measured_memory`: LLaMA-Factory 0.9.5 on an H200,
+46 trained points and 9 out-of-memory ones, BENCHMARKS.md section 5; held-out error within 10 %).
+Several processes are extrapolated from it by how each stage splits its per-parameter state
+(coefficients: training_memory in group_vars/all/training.yml), not measured beyond the two
+2-node DDP points of BENCHMARKS.md section 1:
+
+- none (DDP): every rank holds everything, plus DDP's fp32 gradient buckets (4 bytes/param);
+- zero2: the bf16 weights stay whole, the rest (fp32 master weights, gradients, AdamW) is split;
+- zero3: everything per-parameter is split over the world;
+- zero3_offload: nothing per-parameter on the GPU; host memory holds 1/world of the offload.
+
+Fine-tuning `freeze` is planned as LoRA (frozen bf16 bulk; not measured), `zero0` as none and
+`fsdp` as zero3.
 """
 
 from __future__ import annotations
@@ -9,81 +23,113 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from . import measured_memory as measured
+
 GIB = 1024**3
+BF16 = 2.0  # bytes of a bf16 weight: what ZeRO-2 keeps whole on every rank
+MEASURED_STAGE = {"none": "none", "zero0": "none", "zero2": "zero2", "zero3": "zero3",
+                  "fsdp": "zero3", "zero3_offload": "zero3_offload"}  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Memory:
-    """Bytes a run needs on each GPU (the fitting formula of BENCHMARKS.md), and its budget."""
+    """What a run needs on each GPU and on each node, and the budgets it must fit.
+
+    `budget`: bytes one process may allocate on the smallest GPU (its memory less the CUDA
+    context, divided by the allocator's headroom: measured_memory.fits); `host_budget`: bytes of
+    the smallest node's RAM the training may use; None: not planned for (CPU runs, unknown).
+    """
 
     params: float
     finetuning: str
-    shape: Mapping[str, int] | None
+    shape: Mapping[str, Any] | None
     world: int
     coefficients: Mapping[str, Any]
     budget: float | None
     host_budget: float | None = None
     nproc: int = 1
 
-    def state(self, stage: str) -> float:
-        """Weights, gradients and optimizer states (and DDP's gradient buckets) per GPU."""
-        c, n, world = self.coefficients, self.params, self.world
-        per_param = float(c["state_bytes_per_param"][self.finetuning])
-        if self.finetuning != "full":  # frozen bf16 weights; the adapter's states are small
-            if stage in ("zero3", "fsdp"):
-                return per_param * n / world + self.gathered()
-            return self.gathered() if stage == "zero3_offload" else per_param * n
-        if stage in ("none", "zero0"):  # DDP keeps a second copy of the fp32 gradients
-            buckets = float(c["ddp_bucket_bytes_per_param"]) * n if world > 1 else 0.0
-            return per_param * n + buckets
-        if stage == "zero2":  # bf16 weights kept; fp32 master weights, grads and Adam sharded
-            return 2 * n + (per_param - 2) * n / world
-        if stage in ("zero3", "fsdp"):
-            return per_param * n / world + self.gathered()
-        return self.gathered()  # zero3_offload: weights and optimizer states in CPU memory
+    @staticmethod
+    def usable(gpu_gib: float) -> float:
+        """Bytes a process may allocate on a GPU of `gpu_gib`, as measured_memory.fits counts."""
+        c = measured.COEFFICIENTS
+        return (gpu_gib * GIB - c["context_gib"] * GIB) / c["allocator_headroom"]
 
-    def gathered(self) -> float:
-        """bf16 weights ZeRO-3 gathers at once (stage3_max_live_parameters, at most all)."""
-        return 2.0 * min(self.params, float(self.coefficients["zero3_live_params"]))
+    def _kind(self) -> str:
+        return "full" if self.finetuning == "full" else "lora"
 
-    def activations(self, tokens: int, checkpointing: bool) -> float | None:
-        """Activations and logits of one micro-batch of `tokens` tokens (None: shape unknown)."""
+    def _coefficients(self, stage: str) -> dict[str, float]:
+        """measured_memory's coefficients, their per-parameter terms split over the world."""
+        c = dict(measured.COEFFICIENTS)
+        world = self.world
+        if world == 1:
+            return c
+        group = f"{self._kind()}/{MEASURED_STAGE[stage]}"
+        for moment in ("step", "backward"):
+            key = f"{moment}/{group}"
+            if key not in c:
+                continue
+            if MEASURED_STAGE[stage] == "zero3":
+                c[key] = c[key] / world
+            elif MEASURED_STAGE[stage] == "zero2":
+                c[key] = BF16 + (c[key] - BF16) / world
+            elif self._kind() == "full":  # DDP's gradient buckets beside every rank's state
+                c[key] = c[key] + float(self.coefficients["ddp_bucket_bytes_per_param"])
+        return c
+
+    def _shape(self) -> measured.Shape | None:
         if self.shape is None:
             return None
-        layers, hidden, vocab = self.shape["layers"], self.shape["hidden"], self.shape["vocab"]
-        if checkpointing:
-            c = self.coefficients["checkpointed_bytes"]
-            per_token = (
-                c["layer_hidden"] * layers * hidden + c["hidden"] * hidden + c["vocab"] * vocab
-            )
-        else:
-            c = self.coefficients["activation_bytes"]
-            per_token = c["layer_hidden"] * layers * hidden + c["vocab"] * vocab
-        return float(tokens) * per_token
+        return measured.Shape(
+            params=self.params,
+            hidden=int(self.shape["hidden"]),
+            layers=int(self.shape["layers"]),
+            intermediate=int(self.shape.get("intermediate") or 4 * int(self.shape["hidden"])),
+            vocab=int(self.shape["vocab"]),
+            tied=bool(self.shape.get("tied", False)),
+        )
+
+    def state(self, stage: str) -> float:
+        """Bytes at the optimizer step, without activations (all that is known without a shape)."""
+        c = self._coefficients(stage)
+        if MEASURED_STAGE[stage] == "zero3_offload":
+            return c["overhead_gib"] * GIB * c["margin"]
+        key = f"step/{self._kind()}/{MEASURED_STAGE[stage]}"
+        return (
+            c.get(key, c[f"step/{self._kind()}/none"]) * self.params + c["overhead_gib"] * GIB
+        ) * c["margin"]
 
     def need(self, stage: str, tokens: int, checkpointing: bool) -> float:
-        """State plus activations (state alone while the shape is unknown)."""
-        return self.state(stage) + (self.activations(tokens, checkpointing) or 0.0)
+        """Peak bytes one process allocates. While the shape is unknown (no config.json) the
+        activations cannot be counted: the state plus unknown_shape_reserve of it stands in."""
+        shape = self._shape()
+        if shape is None:
+            return self.state(stage) * (1 + float(self.coefficients["unknown_shape_reserve"]))
+        measured_stage = MEASURED_STAGE[stage]
+        kind = self._kind()
+        if kind == "lora" and measured_stage == "zero2":  # ZeRO-2 splits nothing LoRA holds much of
+            measured_stage = "none"
+        return measured.gpu_bytes(
+            shape,
+            kind,
+            measured_stage,
+            checkpointing,
+            tokens,
+            coefficients=self._coefficients(stage),
+        )
 
     def fits(self, stage: str, tokens: int, checkpointing: bool) -> bool:
         """Whether that fits the budget (always, without a budget: CPU runs)."""
         return self.budget is None or self.need(stage, tokens, checkpointing) <= self.budget
 
     def host_need(self, stage: str) -> float:
-        """Bytes of host memory the node's `nproc` training processes hold together.
-
-        Each process: the runtime (torch, CUDA context, LLaMA-Factory, the tokenised data),
-        the bf16 weights that pass through host memory while the model loads, and with
-        `zero3_offload` its shard of what DeepSpeed keeps in (pinned) host memory: fp32 master
-        weights, gradients and AdamW states and the bf16 weights (full), or the frozen bf16
-        weights (LoRA, freeze).
-        """
-        c, n = self.coefficients, self.params
-        per_process = float(c["host_process_gib"]) * GIB + float(c["host_load_bytes_per_param"]) * n
-        if stage == "zero3_offload":
-            offload = float(c["host_offload_bytes_per_param"][self.finetuning])
-            per_process += offload * n / self.world
-        return self.nproc * per_process
+        """Bytes of host memory the node's `nproc` training processes hold together: each loads
+        the bf16 weights; with zero3_offload each also holds 1/world of the offloaded state."""
+        c = measured.COEFFICIENTS
+        per_param = c["host.load"]
+        if MEASURED_STAGE[stage] == "zero3_offload":
+            per_param = max(per_param, c[f"host.offload_{self._kind()}"] / self.world)
+        return self.nproc * (c["host.base_gib"] * GIB + per_param * self.params)
 
     def host_fits(self, stage: str) -> bool:
         """Whether the node's processes fit its host memory (always, where it is not known)."""

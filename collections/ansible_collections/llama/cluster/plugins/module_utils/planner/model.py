@@ -58,7 +58,8 @@ def model_params(config: Mapping[str, Any]) -> int | None:
 
 
 def model_shape(config: Mapping[str, Any]) -> dict[str, int] | None:
-    """Layers, hidden size and vocabulary (what the activation memory depends on), if known."""
+    """Layers, hidden and MLP sizes, vocabulary and whether the lm_head is the embedding (what
+    the activation memory depends on), if known."""
     c = _text_config(config)
     try:
         shape = {
@@ -66,9 +67,12 @@ def model_shape(config: Mapping[str, Any]) -> dict[str, int] | None:
             "hidden": int(c["hidden_size"]),
             "vocab": int(c["vocab_size"]),
         }
+        shape["intermediate"] = int(c.get("intermediate_size") or 4 * shape["hidden"])
     except (KeyError, TypeError, ValueError):
         return None
-    return shape if all(v > 0 for v in shape.values()) else None
+    if not all(v > 0 for v in shape.values()):
+        return None
+    return {**shape, "tied": bool(c.get("tie_word_embeddings", config.get("tie_word_embeddings")))}
 
 
 def layer_class(config: Mapping[str, Any]) -> str:
