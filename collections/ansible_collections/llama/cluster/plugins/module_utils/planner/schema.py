@@ -12,6 +12,9 @@ from typing import Any
 from .errors import CATALOGUE_FILE, TRAINING_FILE, PlanError
 
 FINETUNING_TYPES = ("lora", "freeze", "full")
+# What -e deepspeed may name besides auto: plain DDP, the DeepSpeed stages roles/run_config renders
+# a ds_config.json for (its vars/main.yml), and FSDP.
+DEEPSPEED_STAGES = ("none", "zero0", "zero2", "zero3", "zero3_offload", "fsdp")
 LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target")
 
 

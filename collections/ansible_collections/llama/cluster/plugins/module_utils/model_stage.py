@@ -1,11 +1,11 @@
-"""Jinja filters that decide where a run's model comes from and where it lives on every node.
+"""Where a run's model comes from and where it lives on every node (llama.cluster.run_plan).
 
 `model_stage_source` turns a catalogue entry (plus the run's overrides) into a staging request:
 a hub id to download on every node, a directory of the controller to copy to every node, or a
 directory on shared storage to use where it is. `model_stage_probe` reads the controller's
-probe of the hub (config.json) and pins the request to the commit the hub answered with, or
-says why the model cannot be had. Both return an `error` instead of raising, so that the
-playbook can fail with that sentence before any node changes.
+answer from the hub (config.json) and pins the request to the commit the hub answered with, or
+says why the model cannot be had. Both return an `error` instead of raising, so that the plan
+fails with that sentence before any node changes.
 """
 
 from __future__ import annotations
@@ -223,7 +223,7 @@ def model_stage_probe(
 ) -> dict[str, Any]:
     """The request pinned to the hub's commit, with the model's config; or the reason it failed.
 
-    answer: the registered result of ansible.builtin.uri (status, msg, content, and the
+    answer: the hub's answer as ansible.builtin.uri registers it (status, msg, content, and the
     response headers as lower-case keys with '_' for '-').
     """
     where = f"{request['repo']}, revision {request['revision']}, at {request['endpoint']}"
@@ -252,11 +252,3 @@ def model_stage_probe(
         f"downloaded once into {pinned['path']} on every node that lacks it"
     )
     return pinned
-
-
-class FilterModule:
-    """Where a run's model comes from and where it lives on the nodes."""
-
-    def filters(self) -> dict[str, Any]:
-        """The filters this plugin provides."""
-        return {"model_stage_source": model_stage_source, "model_stage_probe": model_stage_probe}
