@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 import yaml
 from ansible.errors import AnsibleError
 from ansible.module_utils.parsing.convert_bool import boolean
+from ansible.module_utils.urls import ConnectionError as UrlConnectionError
 from ansible.module_utils.urls import open_url
 from ansible.plugins.action import ActionBase
 from ansible_collections.llama.cluster.plugins.filter.cluster import cluster_ranks, node_nproc
@@ -255,7 +256,7 @@ def hub_answer(url: str, headers: Mapping[str, str], timeout: float, ca_path: st
             return shaped(response.status, response.headers, response.read(MAX_ANSWER_BYTES))
     except HTTPError as err:
         return {**shaped(err.code, err.headers, err.read(MAX_ANSWER_BYTES)), "msg": str(err)}
-    except (OSError, ValueError) as err:  # URLError, timeouts, TLS, a malformed URL
+    except (OSError, ValueError, UrlConnectionError) as err:  # unreachable, TLS, a malformed URL
         return {"status": -1, "msg": f"Request failed: {err}"}
 
 

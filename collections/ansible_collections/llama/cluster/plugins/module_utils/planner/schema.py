@@ -232,9 +232,9 @@ def check_request(
 ) -> dict[str, Any]:
     """The request with its numbers coerced; raises one PlanError listing every problem.
 
-    `request` holds what train.yml passes to the validate entry point (model, model_path, ...,
-    train_args, cutoff_len, tokens_per_step, max_restarts, model_params_b, dataset_records,
-    trust_remote_code, deepspeed).
+    `request` holds what the user asked train.yml for, as llama.cluster.run_plan passes it (model,
+    model_path, ..., train_args, cutoff_len, tokens_per_step, max_restarts, model_params_b,
+    dataset_records, trust_remote_code, deepspeed).
     """
     out = dict(request)
     problems: list[str] = []
