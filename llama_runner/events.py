@@ -20,8 +20,9 @@ ProgressCallback = Callable[[TrainProgress], None]
 RUN_ID_STAT = "llama_run_id"
 RUN_ID_FACT = "run_id"
 
-# Failures of these modules in a play on localhost are input validation (the pre-flight play).
-_VALIDATION_ACTIONS = frozenset({"assert", "fail", "validate_argument_spec"})
+# Failures of these modules in a play on localhost are input validation (the pre-flight play;
+# run_plan: train.yml's check and plan of a new run).
+_VALIDATION_ACTIONS = frozenset({"assert", "fail", "validate_argument_spec", "run_plan"})
 
 
 class EventCollector:
@@ -136,8 +137,8 @@ def error_from_events(events: Iterable[Event], hosts: Mapping[str, HostStats]) -
     fatal = [e for e in candidates if e["event_data"].get("host") in failed_hosts] or candidates
     if not fatal:
         return PlaybookFailed("the playbook failed before any task ran (see stdout)")
-    # The first host that failed, by its last failure: a block's rescue that re-raises (as the
-    # validation does, to hand on the planner's own message) is the failure to report.
+    # The first host that failed, by its last failure: a block's rescue that re-raises (to hand on
+    # a clearer message) is the failure to report.
     first = fatal[0]["event_data"].get("host")
     event = [e for e in fatal if e["event_data"].get("host") == first][-1]
     data = event["event_data"]

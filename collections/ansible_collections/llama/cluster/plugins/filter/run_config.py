@@ -1,32 +1,22 @@
-"""The run planner's Jinja filters, as roles/run_config calls them (the planner itself is
-plugins/module_utils/planner)."""
+"""The run planner's Jinja filters, as roles/run_config and train.yml call them (the planner
+itself is plugins/module_utils/planner; llama.cluster.run_plan plans a new run)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Any
 
-from ansible_collections.llama.cluster.plugins.module_utils.planner.assembly import plan
 from ansible_collections.llama.cluster.plugins.module_utils.planner.checkpoints import (
     resume_point,
 )
 from ansible_collections.llama.cluster.plugins.module_utils.planner.nodes import (
-    cluster_accelerator,
-    describe_nodes,
     hosts_without_gpu_facts,
 )
 from ansible_collections.llama.cluster.plugins.module_utils.planner.render import (
-    dataset_files,
     dataset_info,
     run_files,
     train_yaml,
 )
-from ansible_collections.llama.cluster.plugins.module_utils.planner.schema import check_request
-
-
-def accelerator(ranks: Iterable[str], hostvars: Any) -> str:  # noqa: ANN401 - Ansible's hostvars
-    """The one accelerator every node of the cluster trains on."""
-    return cluster_accelerator(list(ranks), hostvars)
 
 
 def unprobed(ranks: Iterable[str], hostvars: Any) -> list[str]:  # noqa: ANN401 - hostvars
@@ -40,14 +30,9 @@ class FilterModule:
     def filters(self) -> dict[str, Any]:
         """The filters this plugin provides."""
         return {
-            "run_config_check": check_request,
-            "run_config_accelerator": accelerator,
             "run_config_unprobed": unprobed,
-            "run_config_nodes": describe_nodes,
-            "run_config_plan": plan,
             "run_config_train_yaml": train_yaml,
             "run_config_dataset_info": dataset_info,
-            "run_config_dataset_files": dataset_files,
             "run_config_files": run_files,
             "run_config_resume_point": resume_point,
         }

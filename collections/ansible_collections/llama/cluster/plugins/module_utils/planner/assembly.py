@@ -143,8 +143,20 @@ def plan(
 
     `settings`: catalogue, defaults, rules, memory, compile and stages (see Settings).
     """
+    checked = check_request(request, settings["catalogue"], settings["stages"])
+    return assemble(checked, nodes=nodes, ranks=ranks, datasets=datasets, settings=settings)
+
+
+def assemble(
+    request: Mapping[str, Any],
+    *,
+    nodes: Sequence[Mapping[str, Any]],
+    ranks: Mapping[str, int],
+    datasets: Sequence[Mapping[str, Any]],
+    settings: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The run of a request that check_request has passed (see plan)."""
     data = Settings(**settings)
-    request = check_request(request, data.catalogue, data.stages)
     accelerator, nproc, world = check_nodes(nodes)
     model = resolve_model(request, data.catalogue)
     check_rules(data.rules)

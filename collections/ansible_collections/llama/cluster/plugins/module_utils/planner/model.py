@@ -87,8 +87,9 @@ def resolve_model(request: Mapping[str, Any], catalogue: Mapping[str, Any]) -> d
     """The model entry for this run, with its size and shape.
 
     The catalogue entry (or defaults, for a model outside it) with the -e overrides on top. The
-    config is run_config_model_config (the parsed config.json) or else the catalogue's `config`;
-    the size is -e model_params_b, else the catalogue's params_b, else counted from the config.
+    config is model_config (the parsed config.json, read by llama.cluster.run_plan) or else the
+    catalogue's `config`; the size is -e model_params_b, else the catalogue's params_b, else
+    counted from the config.
     Raises when the size cannot be known, or when the config names its own modelling code
     (auto_map) and trust_remote_code was not given.
     """

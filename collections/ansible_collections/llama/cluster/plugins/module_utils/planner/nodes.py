@@ -40,7 +40,7 @@ def cluster_accelerator(hosts: Sequence[str], hostvars: Any) -> str:  # noqa: AN
 
 
 def hosts_without_gpu_facts(hosts: Sequence[str], hostvars: Any) -> list[str]:  # noqa: ANN401
-    """GPU nodes whose facts are neither gathered nor cached: validate.yml reads them first."""
+    """GPU nodes whose facts are neither gathered nor cached: train.yml reads them first."""
     return [
         host
         for host in hosts

@@ -12,6 +12,9 @@ from typing import Any
 from .errors import CATALOGUE_FILE, TRAINING_FILE, PlanError
 
 FINETUNING_TYPES = ("lora", "freeze", "full")
+# What -e deepspeed may name besides auto: plain DDP, the DeepSpeed stages roles/run_config renders
+# a ds_config.json for (its vars/main.yml), and FSDP.
+DEEPSPEED_STAGES = ("none", "zero0", "zero2", "zero3", "zero3_offload", "fsdp")
 LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target")
 
 
@@ -229,9 +232,9 @@ def check_request(
 ) -> dict[str, Any]:
     """The request with its numbers coerced; raises one PlanError listing every problem.
 
-    `request` holds what train.yml passes to the validate entry point (model, model_path, ...,
-    train_args, cutoff_len, tokens_per_step, max_restarts, model_params_b, dataset_records,
-    trust_remote_code, deepspeed).
+    `request` holds what the user asked train.yml for, as llama.cluster.run_plan passes it (model,
+    model_path, ..., train_args, cutoff_len, tokens_per_step, max_restarts, model_params_b,
+    dataset_records, trust_remote_code, deepspeed).
     """
     out = dict(request)
     problems: list[str] = []

@@ -1,0 +1,521 @@
+"""llama.cluster.run_plan: a new run of train.yml, checked and planned on the controller before
+any node changes. One call does what the first play needs: the request checked once, the model
+found (and made, or asked for at its hub), the datasets checked record by record, the nodes read
+from the inventory and their facts, and the plan made with the planner (module_utils/planner).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import shutil
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from urllib.error import HTTPError
+
+import yaml
+from ansible.errors import AnsibleError
+from ansible.module_utils.urls import ConnectionError as UrlConnectionError
+from ansible.module_utils.urls import open_url
+from ansible.plugins.action import ActionBase
+from ansible_collections.llama.cluster.plugins.filter.cluster import cluster_ranks, node_nproc
+from ansible_collections.llama.cluster.plugins.module_utils.model_stage import (
+    TOKEN_VARIABLE,
+    model_stage_probe,
+    model_stage_source,
+    model_stage_token_policy,
+)
+from ansible_collections.llama.cluster.plugins.module_utils.planner.assembly import assemble
+from ansible_collections.llama.cluster.plugins.module_utils.planner.nodes import (
+    cluster_accelerator,
+    describe_nodes,
+)
+from ansible_collections.llama.cluster.plugins.module_utils.planner.render import dataset_files
+from ansible_collections.llama.cluster.plugins.module_utils.planner.schema import (
+    DEEPSPEED_STAGES,
+    check_request,
+)
+
+DOCUMENTATION = r"""
+action: run_plan
+short_description: Check a training request and plan a new run, on the controller
+description:
+  - Runs in train.yml's first play (localhost) before any node changes, for a new run. Checks the
+    request once (one message lists every bad number), the inventory's ranks and accelerator, and
+    finds the model in models_catalogue with the -e overrides (one lookup).
+  - The model's config.json is read on the controller. A generated model (the catalogue's tiny)
+    is made first with roles/tiny_model's generator (once; a second run changes nothing). A
+    directory of the controller is read where it is (and rsync must be there to copy it). A hub
+    id is asked for with one GET of config.json at its endpoint, which pins the revision to the
+    hub's commit; the Hugging Face token is sent to huggingface.co only, or to any endpoint with
+    hf_token_to_endpoint=true. A directory on shared storage is read on the controller, or from
+    O(shared_config) where only the nodes mount it.
+  - Each dataset (datasets_catalogue, or O(dataset_file)) is checked record by record with
+    llama.cluster.llama_dataset_check on the controller.
+  - Returns C(plan), the plan every node renders (roles/run_config), with C(plan.model_stage), the
+    request every node stages (roles/model_stage; no secrets in it), and C(notes), the lines to
+    show before launch. Fails with the problem and its fix, changing nothing on any node.
+  - Reads the project's settings from the play's variables (models_catalogue, datasets_catalogue,
+    datasets_formats, datasets_default, training_*, the hub settings of group_vars/all/hub.yml,
+    tiny_model_*, controller_runs_dir, project_dir) and every node's hostvars and facts; a GPU
+    node's facts must be gathered or cached before (train.yml reads the missing ones first).
+options:
+  model:
+    description: Catalogue name of the model (-e model), or a name of one's own with O(model_path).
+    type: str
+    default: ""
+  model_path:
+    description: Override of the catalogue's path (a hub id, or a directory).
+    type: str
+    default: ""
+  model_revision:
+    description:
+      - Hub revision (branch, tag or commit); default main (Hugging Face) or master (ModelScope).
+    type: str
+    default: ""
+  model_shared:
+    description: The path is a directory at the same path on every node (shared storage).
+    type: bool
+    default: false
+  shared_config:
+    description:
+      - config.json of a model on shared storage that the controller does not mount, base64, as
+        ansible.builtin.slurp read it on the master ("" = none read).
+    type: str
+    default: ""
+  probe_model:
+    description:
+      - false plans from the catalogue alone, offline (no hub request, nothing generated, no
+        config.json read); the plan then has no model_stage.
+    type: bool
+    default: true
+  model_template:
+    description: Override of the model's chat template.
+    type: str
+    default: ""
+  finetuning_type:
+    description: Override of the fine-tuning type (lora, freeze, full).
+    type: str
+    default: ""
+  lora_target:
+    description: Override of the LoRA target modules.
+    type: str
+    default: ""
+  cutoff_len:
+    description: Override of the cutoff length, an integer >= 1 (0 keeps the catalogue's).
+    type: raw
+    default: 0
+  model_params_b:
+    description:
+      - The model's size in billions of parameters ("" = the catalogue's, or counted from
+        config.json).
+    type: raw
+    default: ""
+  trust_remote_code:
+    description: Run the model's own modelling code (needed when its config.json has auto_map).
+    type: raw
+    default: false
+  deepspeed:
+    description:
+      - auto, none, zero0, zero2, zero3, zero3_offload or fsdp (default training_deepspeed).
+    type: str
+  train_args:
+    description: LLaMA-Factory training arguments (a mapping) that win over every default.
+    type: raw
+    default: {}
+  tokens_per_step:
+    description:
+      - Tokens per process per optimizer step, an integer >= 1 (default training_tokens_per_step).
+    type: raw
+  max_restarts:
+    description: Restarts allowed after a failure, an integer >= 0 (recorded in the plan).
+    type: raw
+    default: 0
+  dataset:
+    description:
+      - Catalogue dataset names, comma-separated ("" = datasets_default, unless O(dataset_file)).
+    type: str
+    default: ""
+  dataset_file:
+    description: A dataset file on the controller, instead of (or added to) catalogue entries.
+    type: str
+    default: ""
+  dataset_format:
+    description: Format of O(dataset_file), a key of datasets_formats (alpaca, sharegpt, openai).
+    type: str
+    default: alpaca
+  dataset_skip_invalid:
+    description:
+      - Train on the valid records of a dataset that has invalid ones (written to
+        controller_runs_dir/datasets/) instead of failing (default dataset_skip_invalid).
+    type: raw
+author: llama-cluster
+"""
+
+EXAMPLES = r"""
+- name: Train | Check the request and plan the run
+  llama.cluster.run_plan:
+    model: "{{ model | default('') }}"
+    dataset: "{{ dataset | default('') }}"
+  register: planned
+"""
+
+RETURN = r"""
+plan:
+  description: The run (roles/run_config renders it), with model_stage, the staging request.
+  type: dict
+notes:
+  description: Where the model comes from, what a dataset check left out, then the plan's summary.
+  type: list
+"""
+
+TRAINING_SETTINGS = {
+    "catalogue": "models_catalogue",
+    "defaults": "training_defaults",
+    "rules": "training_profile_rules",
+    "memory": "training_memory",
+    "compile": "training_compile",
+}
+# The generator of roles/tiny_model, and its settings (group_vars/all/models.yml).
+TINY_MODEL_SCRIPT = "roles/tiny_model/files/make_tiny_model.py"
+TINY_MODEL_FLAGS = {
+    "tiny_model_seed": "--seed",
+    "tiny_model_vocab_size": "--vocab-size",
+    "tiny_model_hidden_size": "--hidden",
+    "tiny_model_corpus_lines": "--lines",
+}
+# The hub's config.json is a few kB; a larger answer is not one.
+MAX_ANSWER_BYTES = 4 << 20
+
+
+class Refused(Exception):
+    """A request that cannot be planned, with the message the user sees."""
+
+
+def option_spec(documentation: str) -> dict[str, dict[str, Any]]:
+    """The argument spec of DOCUMENTATION's options (type and default)."""
+    options = yaml.safe_load(documentation)["options"]
+    return {
+        name: {key: value for key, value in option.items() if key in ("type", "default")}
+        for name, option in options.items()
+    }
+
+
+def dataset_list(
+    asked: Mapping[str, Any],
+    catalogue: Mapping[str, Any],
+    formats: Mapping[str, Any],
+    default: str,
+) -> list[dict[str, Any]]:
+    """The run's datasets, each a dataset_info entry with its name and file; raises Refused for an
+    unknown name or format."""
+    names = [n.strip() for n in str(asked["dataset"]).split(",") if n.strip()]
+    unknown = [n for n in names if n not in catalogue]
+    if unknown:
+        raise Refused(
+            f"Unknown dataset {', '.join(unknown)}. Known datasets: {', '.join(sorted(catalogue))}"
+            " (group_vars/all/datasets.yml). Use -e dataset=<names, comma-separated>, or your own"
+            " file with -e dataset_file=<path on the controller> -e dataset_format="
+            f"{'|'.join(formats)}."
+        )
+    user_file, user_format = asked["dataset_file"], asked["dataset_format"]
+    if user_file and user_format not in formats:
+        raise Refused(
+            f"dataset_format must be one of {', '.join(formats)} (got {json.dumps(user_format)}):"
+            " see datasets_formats in group_vars/all/datasets.yml."
+        )
+    if not names and not user_file:
+        names = [n.strip() for n in str(default).split(",") if n.strip()]
+    datasets = [{**catalogue[n], "name": n} for n in names]
+    if user_file:
+        datasets.append({**formats[user_format], "name": "user_data", "file": user_file})
+    return datasets
+
+
+def hub_answer(url: str, headers: Mapping[str, str], timeout: float, ca_path: str) -> dict:
+    """The hub's answer to one GET, shaped as ansible.builtin.uri registers it (status, msg,
+    content, and the headers as lower-case keys with '_' for '-'); status -1 when none came."""
+
+    def shaped(status: int, headers: Any, body: bytes) -> dict[str, Any]:  # noqa: ANN401
+        answer = {k.lower().replace("-", "_"): v for k, v in (headers or {}).items()}
+        return {**answer, "status": status, "content": body.decode("utf-8", "replace")}
+
+    try:
+        response = open_url(
+            url,
+            headers=dict(headers),
+            timeout=timeout,
+            ca_path=ca_path or None,
+            follow_redirects="safe",
+        )
+        with response:
+            return shaped(response.status, response.headers, response.read(MAX_ANSWER_BYTES))
+    except HTTPError as err:
+        return {**shaped(err.code, err.headers, err.read(MAX_ANSWER_BYTES)), "msg": str(err)}
+    except (OSError, ValueError, UrlConnectionError) as err:  # unreachable, TLS, a malformed URL
+        return {"status": -1, "msg": f"Request failed: {err}"}
+
+
+def parse_config(text: str, request: Mapping[str, Any]) -> dict[str, Any]:
+    """A model's config.json, parsed; raises Refused naming the file when it is not a model's."""
+    where = f"Model {request['name']}: {request['source']}/config.json is"
+    try:
+        config = json.loads(text)
+    except ValueError:
+        raise Refused(
+            f"{where} not valid JSON. Check the model directory (python3 -m json.tool shows "
+            "where it breaks)."
+        ) from None
+    if not isinstance(config, dict):
+        raise Refused(f"{where} not a JSON object, so not a model configuration.")
+    return config
+
+
+class ActionModule(ActionBase):
+    """Check a new run's request and plan it (see DOCUMENTATION)."""
+
+    def run(self, tmp: str | None = None, task_vars: dict[str, Any] | None = None) -> dict:
+        """Check, plan, and return the plan; failed with the reason otherwise."""
+        task_vars = task_vars or {}
+        result = super().run(tmp, task_vars)
+        _, asked = self.validate_argument_spec(option_spec(DOCUMENTATION))
+        self._vars = task_vars
+        self._changed = False
+        try:
+            plan, notes = self._plan(asked)
+        except Refused as err:
+            return {**result, "failed": True, "changed": self._changed, "msg": str(err)}
+        except AnsibleError as err:  # the planner's PlanError, the inventory's filter errors
+            message = err.args[0] if err.args else str(err)
+            return {**result, "failed": True, "changed": self._changed, "msg": message}
+        return {**result, "changed": self._changed, "plan": plan, "notes": notes}
+
+    def _var(self, name: str, default: Any = None) -> Any:  # noqa: ANN401 - any variable
+        """A variable of the play, templated (default when the play has none)."""
+        if name not in self._vars:
+            if default is None:
+                raise Refused(f"llama.cluster.run_plan needs the variable {name} (group_vars/all).")
+            return default
+        return self._templar.template(self._vars[name])
+
+    def _plan(self, asked: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+        """The plan and the lines to show; raises Refused or the planner's error."""
+        settings = {key: self._var(name) for key, name in TRAINING_SETTINGS.items()}
+        settings["stages"] = list(DEEPSPEED_STAGES)
+        catalogue = settings["catalogue"]
+        request = check_request(self._request(asked), catalogue, DEEPSPEED_STAGES)
+        hostvars, groups = self._vars["hostvars"], self._var("groups")
+        ranks = cluster_ranks(groups, hostvars)
+        cluster_accelerator(list(ranks), hostvars)
+        notes: list[str] = []
+        staging = None
+        self._token_note = ""
+        if asked["probe_model"]:
+            staging, config = self._model(asked, catalogue.get(asked["model"]) or {})
+            request.update(model_path=staging["path"], model_config=config)
+            notes.append(f"Model {staging['name']}: {staging['summary']}")
+            if self._token_note:
+                notes.append(self._token_note)
+        datasets, records = self._datasets(asked, notes)
+        request["dataset_records"] = records
+        nprocs = {host: node_nproc(hostvars[host]) for host in ranks}
+        plan = assemble(
+            request,
+            nodes=describe_nodes(ranks, hostvars, nprocs),
+            ranks=ranks,
+            datasets=datasets,
+            settings=settings,
+        )
+        if staging is not None:
+            plan["model_stage"] = staging
+        return plan, notes + plan["summary"]
+
+    def _request(self, asked: Mapping[str, Any]) -> dict[str, Any]:
+        """What the user asked for, as check_request reads it."""
+        request = {
+            key: asked[key]
+            for key in (
+                "model",
+                "model_path",
+                "model_template",
+                "finetuning_type",
+                "lora_target",
+                "cutoff_len",
+                "model_params_b",
+                "trust_remote_code",
+                "train_args",
+                "max_restarts",
+            )
+        }
+        request["deepspeed"] = asked["deepspeed"] or self._var("training_deepspeed")
+        tokens = asked["tokens_per_step"]
+        request["tokens_per_step"] = (
+            self._var("training_tokens_per_step") if tokens in (None, "") else tokens
+        )
+        request["timestamp"] = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+        return request
+
+    # ---- the model ---------------------------------------------------------------------------
+    def _model(
+        self, asked: Mapping[str, Any], entry: Mapping[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The staging request (no secrets in it) and the model's parsed config.json."""
+        overrides = {"path": asked["model_path"], "revision": asked["model_revision"]}
+        entry = {**entry, **{k: v for k, v in overrides.items() if v}}
+        if asked["model_shared"]:
+            entry["shared"] = True
+        hub_dir = self._var("hub_cache_dir")
+        request = model_stage_source(
+            entry,
+            asked["model"] or asked["model_path"],
+            {
+                "hub": self._var("model_hub"),
+                "hub_dir": hub_dir,
+                "models_dir": self._var("cluster_models_dir"),
+                "generated_dir": self._var("tiny_model_dir"),
+                "endpoints": {
+                    "huggingface": self._var("hf_endpoint"),
+                    "modelscope": self._var("modelscope_endpoint"),
+                },
+            },
+        )
+        if request["error"]:
+            raise Refused(request["error"])
+        if request["generated"]:
+            self._generate(request["source"])
+        if request["kind"] == "hub":
+            request = self._ask_hub(request, hub_dir)
+            config = request["config"]
+        elif request["kind"] == "controller":
+            config = self._controller_config(request)
+        else:
+            config = self._shared_config(request, asked["shared_config"])
+        staging = {k: v for k, v in request.items() if k not in ("config", "error")}
+        return staging, config
+
+    def _generate(self, directory: str) -> None:
+        """Make the generated model on the controller with roles/tiny_model's generator, once."""
+        script = Path(self._var("project_dir")) / TINY_MODEL_SCRIPT
+        argv = [str(self._var("tiny_model_python")), str(script), directory]
+        argv += [f"{flag}={self._var(name)}" for name, flag in TINY_MODEL_FLAGS.items()]
+        made = self._execute_module(
+            module_name="ansible.builtin.command",
+            module_args={"argv": argv, "creates": f"{directory}/tiny_model.json"},
+            task_vars=self._vars,
+        )
+        if made.get("failed"):
+            output = (made.get("stderr") or made.get("msg") or "").strip().splitlines()
+            raise Refused(
+                f"The tiny model could not be generated in {directory} on the controller: "
+                f"{output[-1] if output else 'no output'}"
+            )
+        self._changed |= bool(made.get("changed"))
+
+    def _controller_config(self, request: Mapping[str, Any]) -> dict[str, Any]:
+        """config.json of a directory of the controller, which rsync copies to the nodes."""
+        path = Path(request["source"]) / "config.json"
+        if not path.is_file():
+            raise Refused(
+                f"Model {request['name']}: {request['source']} is not a model directory on the "
+                "controller (it has no config.json). A directory that is already at the same "
+                "path on every node (shared storage, or copied by you): add -e model_shared=true."
+            )
+        if shutil.which("rsync") is None:
+            raise Refused(
+                f"Model {request['name']} is copied from the controller to the nodes with rsync, "
+                "which the controller lacks: apt-get install rsync (scripts/bootstrap-host.sh "
+                "does); or put the model at the same path on every node and add "
+                "-e model_shared=true."
+            )
+        return parse_config(path.read_text(errors="replace"), request)
+
+    def _shared_config(self, request: Mapping[str, Any], slurped: str) -> dict[str, Any]:
+        """config.json of a directory on shared storage: the controller's copy, else the one
+        read on the master."""
+        path = Path(request["source"]) / "config.json"
+        if path.is_file():
+            return parse_config(path.read_text(errors="replace"), request)
+        if not slurped:
+            master = (self._var("groups").get("master") or ["the master"])[0]
+            raise Refused(
+                f"Model {request['name']}: {request['source']}/config.json is neither on the "
+                f"controller nor on the master ({master}): model_shared means that the "
+                "directory is at that path on every node."
+            )
+        return parse_config(base64.b64decode(slurped).decode("utf-8", "replace"), request)
+
+    def _ask_hub(self, request: Mapping[str, Any], hub_dir: str) -> dict[str, Any]:
+        """The request pinned to the hub's commit, with config.json: one GET at the endpoint,
+        with the token where it may go (never in the result or a log)."""
+        hub = request["hub"]
+        token = str(self._var(TOKEN_VARIABLE[hub], "") or "")
+        policy = model_stage_token_policy(
+            hub, request["endpoint"], bool(token), self._var("hf_token_to_endpoint", False)
+        )
+        if not policy["send"]:
+            token = ""
+        headers = (
+            {"Authorization": f"Bearer {token}", "Cookie": f"m_session_id={token}"} if token else {}
+        )
+        answer = hub_answer(
+            request["probe_url"],
+            headers,
+            float(self._var("hub_probe_timeout")),
+            str(self._var("hub_ca_bundle", "") or ""),
+        )
+        pinned = model_stage_probe(request, answer, bool(token), hub_dir, policy["note"])
+        note = policy["note"]
+        if pinned["error"]:
+            raise Refused(
+                pinned["error"] + (f" ({note})" if note and note not in pinned["error"] else "")
+            )
+        if note:
+            self._token_note = note
+        return pinned
+
+    # ---- the datasets ------------------------------------------------------------------------
+    def _datasets(
+        self, asked: Mapping[str, Any], notes: list[str]
+    ) -> tuple[list[dict[str, Any]], int]:
+        """The run's datasets, each checked record by record on the controller, with the file to
+        train on; and the count of valid records. Adds to notes what LLaMA-Factory will not read."""
+        datasets = dataset_list(
+            asked,
+            self._var("datasets_catalogue"),
+            self._var("datasets_formats"),
+            self._var("datasets_default"),
+        )
+        skip = asked["dataset_skip_invalid"]
+        skip = self._var("dataset_skip_invalid") if skip in (None, "") else skip
+        project, runs = self._var("project_dir"), self._var("controller_runs_dir")
+        checked, records = {}, 0
+        for entry in datasets:
+            path = entry["file"] if entry["file"].startswith("/") else f"{project}/{entry['file']}"
+            args = {
+                "name": entry["name"],
+                "path": path,
+                "formatting": entry.get("formatting", "alpaca"),
+                "ranking": entry.get("ranking", False),
+                "skip_invalid": skip,
+                "valid_out": f"{runs}/datasets/{entry['name']}-"
+                f"{hashlib.sha1(path.encode(), usedforsecurity=False).hexdigest()[:10]}"
+                ".valid.jsonl",
+            }
+            args.update({k: entry[k] for k in ("columns", "tags") if k in entry})
+            check = self._execute_module(
+                module_name="llama.cluster.llama_dataset_check",
+                module_args=args,
+                task_vars=self._vars,
+            )
+            if check.get("failed"):
+                raise Refused(check.get("msg") or f"Dataset {entry['name']}: the check failed.")
+            self._changed |= bool(check.get("changed"))
+            if check["invalid"]:
+                notes.append(check["msg"])
+                checked[entry["name"]] = check
+            notes.extend(check.get("warnings_text") or [])
+            records += int(check["valid"])
+        return dataset_files(datasets, checked), records
