@@ -19,9 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from conftest import DATA
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT / "tests" / "data"
 ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
 NODE = '{"ansible_host": "%s", "cluster_accelerator": "cpu", "nproc_per_node": 1}'
 INVENTORY = f"""all:

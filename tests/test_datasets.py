@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 from ansible_collections.llama.cluster.plugins.modules import llama_dataset_check as check
+from conftest import DATA
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT / "tests" / "data"
 TRAIN_PYTHON = Path(
     os.environ.get("LLAMA_CLUSTER_TRAIN_PYTHON", "/var/cache/llama-cluster/venv-train/bin/python")
 )
