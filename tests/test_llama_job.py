@@ -12,6 +12,7 @@ import importlib.machinery
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -48,8 +49,17 @@ if os.environ.get("GATE"):
 steps, pause = int(os.environ["STEPS"]), float(os.environ["STEP_S"])
 stall_at = int(os.environ.get("STALL_AT", "-1"))
 give_up_at = int(os.environ.get("GIVE_UP_AT", "-1"))
+oom_at = int(os.environ.get("OOM_AT", "-1"))
 for step in range(1, steps + 1):
     time.sleep(pause)
+    if step == oom_at and os.environ.get("OOM_CGROUP"):  # into a small memory cgroup, and fill it
+        with open(os.path.join(os.environ["OOM_CGROUP"], "cgroup.procs"), "w") as procs:
+            procs.write(str(os.getpid()))
+        hog = [bytearray(1 << 20) for _ in range(4096)]
+    elif step == oom_at:  # what torch prints when a GPU is full
+        print("[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.30 GiB. "
+              "GPU 0 has a total capacity of 79.10 GiB of which 400.00 MiB is free.", flush=True)
+        sys.exit(1)
     if step == stall_at:
         time.sleep(3600)
     if step == give_up_at:  # like torchrun once a rank died, then a launcher slow to exit
@@ -72,7 +82,14 @@ class Pair:
     """A master's and a worker's runner of one job on this machine."""
 
     def __init__(
-        self, tmp: Path, *, restarts: int = 0, steps: int = 30, give_up_at: int = 0, **env: str
+        self,
+        tmp: Path,
+        *,
+        restarts: int = 0,
+        steps: int = 30,
+        give_up_at: int = 0,
+        worker_env: dict[str, str] | None = None,
+        **env: str,
     ) -> None:
         self.tmp = tmp
         self.gate = _free_port()
@@ -89,6 +106,7 @@ class Pair:
                 extra.pop("STALL_AT", None)
                 if give_up_at:
                     extra["GIVE_UP_AT"] = str(give_up_at)
+                extra.update(worker_env or {})
             (tmp / f"{host}.env").write_text(
                 "".join(f'{key}="{value}"\n' for key, value in extra.items())
             )
@@ -253,6 +271,202 @@ def test_the_exit_status_a_launcher_reports_is_read_from_its_output():
     assert lj.reported_exit_status("ChildFailedError: rank 1 died") is None
 
 
+# What a node's kernel logs when its OOM killer ends a rank (a global OOM, Linux 5.x/6.x).
+KERNEL_OOM_LOG = """\
+python3 invoked oom-killer: gfp_mask=0x140cca(GFP_HIGHUSER_MOVABLE|__GFP_COMP), order=0, oom_score_adj=0
+Mem-Info:
+oom-kill:constraint=CONSTRAINT_NONE,nodemask=(null),cpuset=/,mems_allowed=0-1,global_oom,task_memcg=/system.slice/llama-t-rank0.service,task=python3,pid=8393,uid=1000
+Out of memory: Killed process 8393 (python3) total-vm:141029376kB, anon-rss:126877696kB, file-rss:81920kB, shmem-rss:0kB, UID:1000 pgtables:250112kB oom_score_adj:0
+oom-kill:constraint=CONSTRAINT_MEMCG,nodemask=(null),cpuset=/,mems_allowed=0,oom_memcg=/other,task_memcg=/other,task=java,pid=777,uid=1001
+"""  # noqa: E501 - the kernel's lines as it writes them
+# torchrun once the kernel killed its rank 0 (pid 8393).
+TORCHRUN_KILLED = """\
+E1201 11:32:46 api.py:986] failed (exitcode: -9) local_rank: 0 (pid: 8393) of binary: python3
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-01_11:32:46
+  host      : node1
+  rank      : 0 (local_rank: 0)
+  exitcode  : -9 (pid: 8393)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 8393
+"""
+CUDA_OOM_LINE = (
+    "[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.30 GiB. GPU 0 has a "
+    "total capacity of 79.10 GiB of which 400.00 MiB is free. Including non-PyTorch memory, this "
+    "process has 78.69 GiB memory in use."
+)
+
+
+def test_the_kernel_log_names_the_oom_killer_s_victim_in_both_line_formats():
+    assert lj.kernel_oom_kills(KERNEL_OOM_LOG, {8393}, uid=1000) == [
+        {"pid": 8393, "process": "python3", "uid": 1000, "rss": 126877696 * 1024}
+    ]
+    summary_only = "\n".join(line for line in KERNEL_OOM_LOG.splitlines() if "Killed" not in line)
+    assert lj.kernel_oom_kills(summary_only, {8393}) == [
+        {"pid": 8393, "process": "python3", "uid": 1000, "rss": None}
+    ]
+    cgroup_line = "Memory cgroup out of memory: Killed process 512 (python) anon-rss:65152kB, UID:0"
+    assert lj.kernel_oom_kills(cgroup_line, {512})[0]["rss"] == 65152 * 1024
+    assert lj.kernel_oom_kills(KERNEL_OOM_LOG, {8394}) == []  # another process was killed
+    assert lj.kernel_oom_kills(KERNEL_OOM_LOG, {8393}, uid=1001) == []  # a pid used again since
+
+
+def test_the_processes_a_launcher_reports_failed_carry_rank_and_pid():
+    assert lj.reported_failures(TORCHRUN_KILLED) == [{"rank": 0, "exit_status": -9, "pid": 8393}]
+    agent_only = TORCHRUN_KILLED.splitlines()[0]
+    assert lj.reported_failures(agent_only) == [{"rank": None, "exit_status": -9, "pid": 8393}]
+    assert lj.reported_failures("rank : 0 (local_rank: 0)\n exitcode : 0 (pid: 5)") == []
+
+
+def test_the_memory_cgroup_of_a_unit_is_found_for_cgroup_v2_and_v1(tmp_path: Path):
+    v2 = "0::/system.slice/llama-t-rank0.service\n"
+    assert lj.cgroup_dir(v2, tmp_path) == tmp_path / "system.slice/llama-t-rank0.service"
+    assert lj.unit_cgroup("llama-t-rank0", v2, tmp_path) == tmp_path / v2[4:].strip()
+    v1 = "12:pids:/x\n4:memory:/system.slice/llama-t-rank0.service\n0::/system.slice/x\n"
+    assert lj.cgroup_dir(v1, tmp_path) == tmp_path / "memory/system.slice/llama-t-rank0.service"
+    session = "0::/user.slice/user-1000.slice/session-4.scope\n"
+    assert lj.unit_cgroup("llama-t-rank0", session, tmp_path) is None  # not a cgroup of the job's
+
+
+def test_oom_kill_counters_are_read_from_memory_events_oom_control_and_vmstat(tmp_path: Path):
+    v2, v1 = tmp_path / "v2", tmp_path / "v1"
+    v2.mkdir()
+    v1.mkdir()
+    (v2 / "memory.events").write_text(
+        "low 0\nhigh 0\nmax 12\noom 1\noom_kill 1\noom_group_kill 0\n"
+    )
+    (v1 / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 3\n")
+    vmstat = tmp_path / "vmstat"
+    vmstat.write_text("pgfault 1234\noom_kill 7\n")
+    assert lj.oom_counters(v2, vmstat) == {"node": 7, "cgroup": 1}
+    assert lj.oom_counters(v1, vmstat) == {"node": 7, "cgroup": 3}
+    assert lj.oom_counters(None, tmp_path / "absent") == {"node": None, "cgroup": None}
+
+
+def _no_log() -> str:
+    raise AssertionError("the kernel log is read only when a counter says the OOM killer ran")
+
+
+def test_an_oom_kill_needs_a_counter_that_rose_or_the_kernel_log_naming_a_job_pid():
+    def log() -> str:
+        return KERNEL_OOM_LOG
+
+    unit = lj.oom_kill_evidence(
+        {"node": 0, "cgroup": 0}, {"node": 1, "cgroup": 1}, log, {8393}, 1000
+    )
+    assert unit == {"source": "cgroup", "victim": lj.kernel_oom_kills(KERNEL_OOM_LOG, {8393})[0]}
+    flat = ({"node": 4, "cgroup": 2}, {"node": 5, "cgroup": 2})  # another cgroup's process
+    assert lj.oom_kill_evidence(*flat, _no_log, {8393}, 1000) is None
+    session = ({"node": 4, "cgroup": None}, {"node": 4, "cgroup": None})
+    assert lj.oom_kill_evidence(*session, _no_log, {8393}, 1000) is None
+    ran = ({"node": 4, "cgroup": None}, {"node": 5, "cgroup": None})
+    assert lj.oom_kill_evidence(*ran, log, {8393}, 1000)["source"] == "kernel log"
+    assert lj.oom_kill_evidence(*ran, log, {9000}, 1000) is None  # the killer chose another
+    assert lj.oom_kill_evidence(*ran, lambda: None, {8393}, 1000) == {
+        "source": "node",
+        "victim": None,
+    }
+    assert lj.oom_kill_evidence({}, {}, lambda: "", {8393}, 1000) is None  # no counters, no line
+
+
+def test_memory_figures_come_from_meminfo_and_the_unit_s_cgroup(tmp_path: Path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       134217728 kB\nMemFree:         1024 kB\n")
+    unit = tmp_path / "unit"
+    unit.mkdir()
+    (unit / "memory.max").write_text("max\n")
+    (unit / "memory.peak").write_text(f"{126 << 30}\n")
+    assert lj.memory_figures(unit, meminfo) == {
+        "total": 128 << 30,
+        "limit": None,
+        "peak": 126 << 30,
+    }
+    (unit / "memory.max").write_text(f"{30 << 30}\n")
+    assert lj.memory_figures(unit, meminfo)["limit"] == 30 << 30
+    v1 = tmp_path / "v1"
+    v1.mkdir()
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    (v1 / "memory.max_usage_in_bytes").write_text("1073741824\n")
+    assert lj.memory_figures(v1, meminfo)["limit"] is None
+    assert lj.memory_figures(v1, meminfo)["peak"] == 1 << 30
+    assert lj.memory_figures(None, tmp_path / "absent") == {
+        "total": None,
+        "limit": None,
+        "peak": None,
+    }
+
+
+def _gib(tried: float, free: float, total: float) -> dict[str, float]:
+    return {"tried_gib": tried, "free_gib": free, "total_gib": total}
+
+
+def test_a_cuda_oom_line_gives_the_rank_and_the_gpu_s_figures():
+    cause = lj.cuda_oom(f"step 40\n{CUDA_OOM_LINE}\nChildFailedError\n", [])
+    assert cause == {"kind": "gpu_oom", "rank": 1, "gpu": 0, **_gib(2.3, 0.4, 79.1)}
+    older = (
+        "RuntimeError: CUDA out of memory. Tried to allocate 512.00 MiB (GPU 3; 15.90 GiB total "
+        "capacity; 13.13 GiB already allocated; 0 bytes free; 14.80 GiB reserved in total)"
+    )
+    failed = [{"rank": 5, "exit_status": 1, "pid": 10}]
+    assert lj.cuda_oom(older, failed) == {
+        "kind": "gpu_oom",
+        "rank": 5,
+        "gpu": 3,
+        **_gib(0.5, 0, 15.9),
+    }
+    assert lj.cuda_oom("RuntimeError: NCCL error", failed) is None
+
+
+def test_the_cause_is_said_with_the_rank_the_node_and_the_figures():
+    kernel_log = lj.oom_kill_evidence(
+        {"node": 0}, {"node": 1}, lambda: KERNEL_OOM_LOG, {8393}, 1000
+    )
+    failures = lj.reported_failures(TORCHRUN_KILLED)
+    host = {"total": 128 << 30, "limit": None, "peak": None}
+    cause = lj.host_oom_cause(kernel_log, failures, host)
+    assert (cause["rank"], cause["pid"], cause["source"]) == (0, 8393, "kernel log")
+    assert lj.describe_cause(cause, "node1") == (
+        "the kernel killed rank 0 on node1 for host memory: it held 121.0 of 128.0 GiB (OOM killer)"
+    )
+    unit = lj.host_oom_cause(
+        {"source": "cgroup", "victim": None}, failures, {**host, "peak": 126 << 30}
+    )
+    assert lj.describe_cause(unit, "node1") == (
+        "the kernel killed rank 0 on node1 for host memory: 126.0 of 128.0 GiB in use (OOM killer)"
+    )
+    limited = lj.host_oom_cause(
+        {"source": "cgroup", "victim": None},
+        [],
+        {"total": 128 << 30, "limit": 8 << 30, "peak": 8 << 30},
+    )
+    assert lj.describe_cause(limited, "node1") == (
+        "the kernel killed a process of the job on node1 for its unit's memory limit: 8.0 of 8.0 "
+        "GiB in use (OOM killer)"
+    )
+    unread = lj.host_oom_cause({"source": "node", "victim": None}, failures, host)
+    assert lj.describe_cause(unread, "node1").startswith(
+        "rank 0 on node1 was killed as the kernel's OOM killer ran there (host memory: 128.0 GiB;"
+    )
+    gpu = lj.cuda_oom(CUDA_OOM_LINE, [])
+    assert lj.describe_cause(gpu, "node2", step=40) == (
+        "rank 1 on node2 ran out of GPU memory after step 40: tried to allocate 2.3 GiB, 0.4 of "
+        "79.1 GiB free"
+    )
+
+
+def test_a_sigkilled_process_the_kernel_log_does_not_name_is_no_oom_kill():
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    started = time.time()
+    victim.kill()
+    assert victim.wait() == -signal.SIGKILL
+    # Whatever this machine's kernel log holds (or if this user cannot read it), it names no
+    # OOM kill of this pid: the counters left unknown, the log alone decides.
+    log = lj.read_kernel_log(started - 1)
+    assert lj.oom_kill_evidence({}, {}, lambda: log, {victim.pid}, os.getuid()) is None
+
+
 def test_environment_files_read_as_systemd_reads_them():
     env = lj.read_env_file('# comment\nA="1 2"\nB=plain\nC=""\n')
     assert env == {"A": "1 2", "B": "plain", "C": ""}
@@ -314,6 +528,11 @@ def test_a_killed_command_stops_the_other_node(pair_factory):
     reason = pair.state("m")["reason"]
     assert pair.state("m")["phase"] == "failed"
     assert (reason["node"], reason["kind"], reason["exit_status"]) == ("w", "exited", -9)
+    # killed, but not by the kernel's OOM killer: it is not called one
+    assert (reason["message"], reason["cause"]) == (
+        "its command ended, killed by signal 9 (SIGKILL)",
+        None,
+    )
     assert pair.state("w")["reason"]["node"] == "w"  # every node records the same verdict
     assert elapsed < 10, f"{elapsed:.1f} s to stop every rank"
     assert pair.leftovers() == []
@@ -326,6 +545,62 @@ def test_a_command_that_says_it_failed_is_ended_without_waiting_for_it_to_exit(p
     assert (reason["node"], reason["kind"]) == ("w", "exited"), pair.logs()
     assert reason["message"] == "its command reported a failure (ChildFailedError: rank 1 died)"
     assert elapsed < 10
+    assert pair.leftovers() == []
+
+
+def test_a_rank_out_of_gpu_memory_is_named_with_its_node_step_and_figures(pair_factory):
+    pair = pair_factory(worker_env={"OOM_AT": "6"})
+    pair.wait_ended(timeout=30)
+    reason = pair.state("m")["reason"]
+    assert (reason["node"], reason["exit_status"], reason["cause"]["kind"]) == ("w", 1, "gpu_oom")
+    assert re.fullmatch(
+        r"rank 1 on w ran out of GPU memory after step \d+: tried to allocate 2\.3 GiB, 0\.4 of "
+        r"79\.1 GiB free; its command ended, exit status 1",
+        reason["message"],
+    ), reason["message"]
+
+
+@pytest.fixture
+def memory_cgroup(tmp_path: Path):
+    """A memory cgroup of 64 MiB on this machine (cgroup v1 or v2), for a real OOM kill."""
+    for parent, limit in (
+        ("/sys/fs/cgroup/memory", "memory.limit_in_bytes"),
+        ("/sys/fs/cgroup", "memory.max"),
+    ):
+        path = Path(parent) / f"llama-job-test-{os.getpid()}"
+        try:
+            path.mkdir()
+        except OSError:
+            continue
+        try:
+            (path / limit).write_text(str(64 << 20))
+        except OSError:
+            path.rmdir()
+            continue
+        yield path
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                path.rmdir()
+                break
+            except OSError:  # its last process is still being reaped
+                time.sleep(0.2)
+        return
+    pytest.skip("no memory cgroup can be made here (needs root and a memory controller)")
+
+
+def test_a_rank_killed_by_the_oom_killer_is_said_to_be(pair_factory, memory_cgroup: Path):
+    pair = pair_factory(worker_env={"OOM_AT": "4", "OOM_CGROUP": str(memory_cgroup)})
+    pair.wait_ended(timeout=30)
+    reason = pair.state("m")["reason"]
+    assert (reason["node"], reason["exit_status"]) == ("w", -9), pair.logs()
+    cause = reason["cause"]
+    assert (cause["kind"], cause["source"], cause["limit"]) == ("host_oom", "kernel log", "host")
+    assert re.fullmatch(
+        rf"the kernel killed pid {cause['pid']} \(python[\d.]*\) on w for host memory: it held "
+        r"0\.\d of [\d.]+ GiB \(OOM killer\); its command ended, killed by signal 9 \(SIGKILL\)",
+        reason["message"],
+    ), reason["message"]
     assert pair.leftovers() == []
 
 
