@@ -7,7 +7,6 @@ import os
 from pathlib import Path
 
 import pytest
-
 from ansible_collections.llama.cluster.plugins.module_utils.trainer_log import (
     last_attempt,
     log_figures,
@@ -84,5 +83,5 @@ def test_the_tail_starts_at_a_whole_line_and_a_link_is_not_followed(tmp_path: Pa
     assert len(tail) < 199
     link = tmp_path / "link.jsonl"
     os.symlink(log, link)
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match="symbolic links"):
         read_tail(str(link))
