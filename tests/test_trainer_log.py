@@ -13,6 +13,7 @@ from ansible_collections.llama.cluster.plugins.module_utils.trainer_log import (
     parse_records,
     read_tail,
 )
+from ansible_collections.llama.cluster.plugins.modules.llama_job import trainer_log
 
 
 def _log(*steps: int, total: int = 10) -> list[dict]:
@@ -85,3 +86,12 @@ def test_the_tail_starts_at_a_whole_line_and_a_link_is_not_followed(tmp_path: Pa
     os.symlink(log, link)
     with pytest.raises(OSError, match="symbolic links"):
         read_tail(str(link))
+
+
+def test_the_status_module_reports_the_last_attempt_of_the_masters_log(tmp_path: Path):
+    log = tmp_path / "trainer_log.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in [*_log(1, 2, 3), *_log(2, 3, 4)]))
+    figures = trainer_log(str(log))
+    assert (figures["last_step"], figures["records"], figures["final_loss"]) == (4, 3, 9.6)
+    assert trainer_log("") == {}
+    assert trainer_log(str(tmp_path / "absent.jsonl")) == {}
