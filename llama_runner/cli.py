@@ -231,6 +231,17 @@ def _status_panel(run: RunStatus) -> Panel:
     if run.failed_node:
         status = f" (exit status {run.exit_status})" if run.exit_status is not None else ""
         lines.append(f"failed node  {run.failed_node}{status}")
+    if not run.active:
+        after = f" ({', then '.join(run.restarted_after)} failed)" if run.restarted_after else ""
+        lines += [
+            f"final loss   {run.final_loss if run.final_loss is not None else '-'}",
+            f"time         {_duration(run.time_s)}",
+            f"restarts     {run.restarts or 0} of {run.max_restarts or 0}{after}",
+        ]
+    if run.resume_checkpoint:
+        lines.append(f"resume from  {run.resume_checkpoint}: {run.resume_command}")
+    elif run.resume_message:
+        lines.append(f"no resume    {run.resume_message}")
     return Panel("\n".join(lines), title=f"run {run.run_id}", expand=False)
 
 

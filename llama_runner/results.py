@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llama_runner import trainer_log
+
 Event = dict[str, Any]
 
 
@@ -179,17 +181,17 @@ class TrainSummary:
         log_file = directory / "trainer_log.jsonl"
         results_file = directory / "all_results.json"
         plot = directory / "training_loss.png"
-        lines = log_file.read_text(encoding="utf-8").splitlines() if log_file.is_file() else []
-        log = [entry for entry in map(json_object, lines) if entry]
+        text = log_file.read_text(encoding="utf-8") if log_file.is_file() else ""
+        # The last attempt's records: after a restart the steps since the checkpoint are twice.
+        figures = trainer_log.log_figures(trainer_log.parse_records(text))
         results = (
             json_object(results_file.read_text(encoding="utf-8")) if results_file.is_file() else {}
         )
-        losses = [e["loss"] for e in log if e.get("loss") is not None]
         return cls(
             run_id=run_id,
             runtime_s=as_number(results.get("train_runtime"), float),
-            final_loss=as_number(losses[-1], float) if losses else None,
-            last_step=as_number(log[-1].get("current_steps"), int) if log else None,
+            final_loss=as_number(figures["final_loss"], float),
+            last_step=as_number(figures["last_step"], int),
             controller_dir=directory,
             loss_plot=plot if plot.is_file() else None,
         )
@@ -205,7 +207,11 @@ class RunStatus:
     """Where one training run stands (Cluster.status()).
 
     `state` is one of starting, running, restarting (the supervisor is bringing a rank back),
-    succeeded, failed, or stopped (no rank is left and the run did not finish).
+    succeeded, failed, or stopped (no rank is left and the run did not finish). An ended run
+    also has final_loss (its last attempt's last logged loss), time_s (the job's start to its
+    end), restarts of max_restarts (restarted_after: the node that failed before each), and a
+    failed or stopped one resume_checkpoint and resume_command, or resume_message saying why
+    it cannot be resumed.
     """
 
     run_id: str
@@ -217,6 +223,14 @@ class RunStatus:
     failed_node: str | None = None
     exit_status: int | None = None
     nodes: dict[str, str] = field(default_factory=dict)  # host: its rank's state
+    final_loss: float | None = None
+    time_s: float | None = None
+    restarts: int | None = None
+    max_restarts: int | None = None
+    restarted_after: tuple[str, ...] = ()
+    resume_checkpoint: str | None = None
+    resume_command: str | None = None
+    resume_message: str | None = None
 
     @property
     def active(self) -> bool:

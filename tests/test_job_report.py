@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
+
 from ansible_collections.llama.cluster.plugins.filter.job import (
     job_failure_message,
+    job_found_files,
     job_found_paths,
     job_outcome,
     job_resume_advice,
+    job_run_summary,
     job_status_lines,
+    job_trainer_log,
 )
 
 REASON = {
@@ -143,3 +148,158 @@ def test_status_lines_say_step_loss_eta_and_restarts():
         line.startswith("  restart to attempt 2 at 2026-12-01T10:00:00Z, after node2")
         for line in lines
     )
+
+
+# ---- an ended run: outcome, steps, final loss, time, restarts, where to continue -------------
+OUT = "/runs/r/output"
+KILLED = {**REASON, "exit_status": -9, "message": "its command ended, killed by signal 9"}
+
+
+def _checkpoints(*steps: int, complete: bool = True) -> list[dict]:
+    found = []
+    for step in steps:
+        found.append({"path": f"{OUT}/checkpoint-{step}", "isdir": True})
+        if complete:
+            found.append({"path": f"{OUT}/checkpoint-{step}/trainer_state.json", "isdir": False})
+    return found
+
+
+def _ended(phase: str, *, reason: dict | None = None, restarts: int = 0, **master: object) -> dict:
+    after = [
+        {"attempt": n + 2, "at": "2026-12-01T10:05:00Z", "after": REASON} for n in range(restarts)
+    ]
+    status = {
+        "ranks": [
+            _rank(
+                "node1",
+                "master",
+                phase,
+                reason=reason,
+                restarts=after,
+                max_restarts=2,
+                attempt=restarts + 1,
+                started="2026-12-01T10:00:00Z",
+                ended="2026-12-01T10:12:40Z",
+                progress={"current_steps": 90, "total_steps": 90, "elapsed_time": "0:07:40"},
+                **master,
+            )
+        ],
+        "trainer_log": {
+            "last_step": 90 if phase == "succeeded" else 29,
+            "total_steps": 90,
+            "final_loss": 1.23456,
+            "elapsed": "0:07:40",
+            "records": 11,
+        },
+    }
+    worker = {"ranks": [_rank("node2", "worker", phase, reason=reason)]}
+    hostvars = _hostvars(node1=status, node2=worker)
+    return job_outcome(["node1", "node2"], hostvars, "node1", "__job_status")
+
+
+def _summarised(outcome: dict, checkpoints: dict | None = None) -> dict:
+    return {**outcome, "summary": job_run_summary(outcome, checkpoints, "r", "/runs/r")}
+
+
+def test_the_outcome_carries_the_jobs_times_and_the_masters_trainer_log():
+    outcome = _ended("succeeded")
+    assert (outcome["started"], outcome["ended"]) == (
+        "2026-12-01T10:00:00Z",
+        "2026-12-01T10:12:40Z",
+    )
+    assert outcome["trainer_log"]["final_loss"] == 1.23456
+
+
+def test_a_succeeded_run_says_its_steps_final_loss_time_and_restarts():
+    outcome = _summarised(_ended("succeeded", restarts=1))
+    summary = outcome["summary"]
+    assert summary == {
+        "outcome": "succeeded",
+        "step": 90,
+        "total_steps": 90,
+        "final_loss": 1.23456,
+        "time_s": 760.0,
+        "time_from": "llama-job",
+        "restarts": 1,
+        "max_restarts": 2,
+        "restarted_after": ["node2"],
+        "resume": None,
+    }
+    lines = job_status_lines(outcome, "r")
+    assert lines[0] == "Run r: succeeded, step 90/90, final loss 1.2346, time 0:12:40"
+    assert lines[1] == "  Restarts: 1 of 2 (node2 failed)"
+    assert (
+        "  restart to attempt 2 at 2026-12-01T10:05:00Z, after node2: " + REASON["message"] in lines
+    )
+    assert not any("resume" in line for line in lines)
+
+
+def test_a_failed_run_says_where_it_ended_and_the_checkpoint_to_continue_from():
+    outcome = _ended("failed", reason=KILLED, restarts=2)
+    found = {
+        "node1": _checkpoints(20, 25),
+        "node2": _checkpoints(20) + _checkpoints(25, complete=False),
+    }
+    outcome = _summarised(outcome, found)
+    resume = outcome["summary"]["resume"]
+    assert resume["checkpoint"] == "checkpoint-20"
+    assert resume["command"] == "ansible-playbook train.yml -e resume=true -e run_id=r"
+    lines = job_status_lines(outcome, "r")
+    assert lines[:4] == [
+        "Run r: failed on node2: its command ended, killed by signal 9",
+        "  Ended at step 29/90, final loss 1.2346, time 0:12:40",
+        "  Restarts: 2 of 2 (node2, then node2 failed)",
+        "  Continue from checkpoint-20: ansible-playbook train.yml -e resume=true -e run_id=r",
+    ]
+    assert "  | RuntimeError: Expected a string, got None" in lines
+
+
+def test_a_stopped_run_without_a_common_checkpoint_says_why_not():
+    stop = {"node": "node1", "kind": "stopped", "message": "stop requested", "exit_status": None}
+    outcome = _ended("stopped", reason=stop)
+    outcome["started"] = None  # no end recorded by llama-job: the trainer's elapsed stands in
+    outcome = _summarised(outcome, {"node1": _checkpoints(5), "node2": []})
+    summary = outcome["summary"]
+    assert (summary["time_s"], summary["time_from"]) == (460.0, "trainer log")
+    assert summary["resume"]["checkpoint"] is None
+    lines = job_status_lines(outcome, "r")
+    assert lines[0] == "Run r: stopped on node1: stop requested"
+    assert lines[1] == "  Ended at step 29/90, final loss 1.2346, time 0:07:40"
+    assert lines[2] == "  Restarts: none (2 allowed)"
+    assert lines[3].startswith("  No resume: Run r cannot resume: no checkpoint is on every node")
+
+
+def test_a_node_that_did_not_answer_leaves_the_checkpoint_unknown():
+    outcome = _summarised(
+        _ended("failed", reason=KILLED), {"node1": _checkpoints(20), "node2": None}
+    )
+    resume = outcome["summary"]["resume"]
+    assert resume["checkpoint"] is None
+    assert resume["message"].startswith("node2 did not answer, so the checkpoint")
+    assert resume["message"].endswith("-e resume=true -e run_id=r")
+
+
+def test_a_run_still_going_has_no_summary():
+    hostvars = _hostvars(node1={"ranks": [_rank("node1", "master", "running")]})
+    assert job_run_summary(job_outcome(["node1"], hostvars, "node1", "__job_status"), {}, "r") == {}
+
+
+def test_found_files_keep_the_entries_and_none_for_a_silent_node():
+    hostvars = {
+        "node1": {"cp": {"files": _checkpoints(5)}},
+        "node2": {"cp": {"unreachable": True}},
+    }
+    assert job_found_files(["node1", "node2"], hostvars, "cp") == {
+        "node1": _checkpoints(5),
+        "node2": None,
+    }
+
+
+def test_the_summary_of_train_yml_reads_the_last_attempt_of_the_log():
+    attempt1 = [{"current_steps": s, "total_steps": 8, "loss": 9.0} for s in range(1, 7)]
+    attempt2 = [{"current_steps": s, "total_steps": 8, "loss": 1.0 + s} for s in range(5, 9)]
+    closing = {"current_steps": 8, "total_steps": 8}
+    text = "\n".join(json.dumps(r) for r in [*attempt1, *attempt2, closing])
+    figures = job_trainer_log(text)
+    assert (figures["last_step"], figures["final_loss"], figures["records"]) == (8, 9.0, 5)
+    assert job_trainer_log("")["final_loss"] is None

@@ -7,6 +7,7 @@ written here for the behaviour under test). The tests marked `lab` drive the lab
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -735,3 +736,59 @@ def test_status_reads_the_job_shape_that_status_yml_publishes():
     assert run.nodes == {"node1": "stopped", "node2": "failed"}
     (waiting,) = parse_status({"llama_status": {"run_id": "r", "phase": "waiting"}}, [])
     assert waiting.state == "starting"
+
+
+def test_status_of_an_ended_run_says_loss_time_restarts_and_where_to_continue():
+    published = {
+        "run_id": "train-1-tiny",
+        "phase": "failed",
+        "node": "node2",
+        "exit_status": -9,
+        "progress": {"current_steps": 29, "total_steps": 90},  # no loss: the closing record
+        "nodes": {"node1": {"phase": "failed"}, "node2": {"phase": "failed"}},
+        "summary": {
+            "outcome": "failed",
+            "step": 29,
+            "total_steps": 90,
+            "final_loss": 1.25,
+            "time_s": 760.0,
+            "time_from": "llama-job",
+            "restarts": 2,
+            "max_restarts": 2,
+            "restarted_after": ["node2", "node1"],
+            "resume": {
+                "checkpoint": "checkpoint-20",
+                "command": "ansible-playbook train.yml -e resume=true -e run_id=train-1-tiny",
+                "message": "Continue from checkpoint-20: ...",
+            },
+        },
+    }
+    (run,) = parse_status({"llama_status": published}, [])
+    assert (run.state, run.step, run.total_steps, run.failed_node) == ("failed", 29, 90, "node2")
+    assert (run.final_loss, run.loss, run.time_s) == (1.25, 1.25, 760.0)
+    assert (run.restarts, run.max_restarts, run.restarted_after) == (2, 2, ("node2", "node1"))
+    assert run.resume_checkpoint == "checkpoint-20"
+    assert run.resume_command == "ansible-playbook train.yml -e resume=true -e run_id=train-1-tiny"
+    stopped = {**published, "phase": "stopped", "summary": {"resume": {"message": "no checkpoint"}}}
+    (run,) = parse_status({"llama_status": stopped}, [])
+    assert (run.state, run.resume_checkpoint, run.resume_message) == (
+        "stopped",
+        None,
+        "no checkpoint",
+    )
+    (going,) = parse_status({"llama_status": {"run_id": "r", "phase": "running"}}, [])
+    assert (going.final_loss, going.restarts, going.resume_command) == (None, None, None)
+
+
+def test_the_summary_from_the_controller_dir_reads_the_last_attempt(tmp_path: Path):
+    # Killed at step 7 after checkpoint-5: attempt 2 logs 6 and 7 again, then 8, then closes.
+    attempt1 = [{"current_steps": s, "total_steps": 8, "loss": 9.0} for s in range(1, 8)]
+    attempt2 = [{"current_steps": s, "total_steps": 8, "loss": float(s)} for s in (6, 7, 8)]
+    closing = {"current_steps": 8, "total_steps": 8}
+    records = [*attempt1, *attempt2, closing]
+    (tmp_path / "trainer_log.jsonl").write_text("".join(f"{json.dumps(r)}\n" for r in records))
+    (tmp_path / "all_results.json").write_text('{"train_runtime": 12.5}')
+    summary = train_runner.TrainSummary.from_controller_dir("r", tmp_path)
+    assert (summary.last_step, summary.final_loss, summary.runtime_s) == (8, 8.0, 12.5)
+    empty = train_runner.TrainSummary.from_controller_dir("r", tmp_path / "absent")
+    assert (empty.last_step, empty.final_loss) == (None, None)

@@ -8,7 +8,16 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from datetime import datetime, timedelta
 from typing import Any
+
+from ansible_collections.llama.cluster.plugins.module_utils.planner.checkpoints import (
+    resume_point,
+)
+from ansible_collections.llama.cluster.plugins.module_utils.trainer_log import (
+    log_figures,
+    parse_records,
+)
 
 TERMINAL = ("succeeded", "failed", "stopped")
 
@@ -57,9 +66,13 @@ def job_outcome(
                 "exit_status": rank.get("exit_status"),
                 "supervisor": rank.get("supervisor"),
             }
-    lead = next((r for h, r in views if h == master and r.get("role") == "master"), None)
+    lead_host, lead = next(
+        ((h, r) for h, r in views if h == master and r.get("role") == "master"), (None, None)
+    )
     if lead is None:
-        lead = next((r for _, r in views if r.get("role") == "master"), None)
+        lead_host, lead = next(
+            ((h, r) for h, r in views if r.get("role") == "master"), (None, None)
+        )
     if lead is not None:
         phase = lead.get("phase", "unknown")
         reason = lead.get("reason")
@@ -94,6 +107,11 @@ def job_outcome(
         "max_restarts": (lead or {}).get("max_restarts", 0),
         "restarts": list((lead or {}).get("restarts") or []),
         "progress": dict((lead or {}).get("progress") or {}),
+        "started": (lead or {}).get("started"),
+        "ended": (lead or {}).get("ended"),
+        # What the last attempt's records of rank 0's trainer log say, where the master's
+        # `llama_job status` was given the log (progress_file).
+        "trainer_log": dict(results.get(lead_host or "", {}).get("trainer_log") or {}),
     }
 
 
@@ -162,6 +180,146 @@ def job_found_paths(
     return found
 
 
+def job_found_files(
+    hosts: list[str], hostvars: Mapping[str, Any], register: str
+) -> dict[str, list[dict[str, Any]] | None]:
+    """Per node, the entries a registered `find` returned; None where the node did not answer."""
+    found: dict[str, list[dict[str, Any]] | None] = {}
+    for host in hosts:
+        result = hostvars[host].get(register) if host in hostvars else None
+        if not isinstance(result, Mapping) or result.get("unreachable") or result.get("failed"):
+            found[host] = None
+        else:
+            found[host] = [dict(f) for f in result.get("files") or [] if isinstance(f, Mapping)]
+    return found
+
+
+def job_trainer_log(text: str) -> dict[str, Any]:
+    """What a trainer_log.jsonl's text says, from its last attempt's records (log_figures)."""
+    return log_figures(parse_records(str(text or "")))
+
+
+def resume_command(run_id: str) -> str:
+    """The command that continues a run from its checkpoint."""
+    return f"ansible-playbook train.yml -e resume=true -e run_id={run_id}"
+
+
+def _moment(value: object) -> datetime | None:
+    try:
+        return datetime.strptime(str(value), "%Y-%m-%dT%H:%M:%SZ")
+    except ValueError:
+        return None
+
+
+def _run_time(outcome: Mapping[str, Any], log: Mapping[str, Any]) -> tuple[float | None, str]:
+    """The run's time in seconds and where it comes from: llama-job's start and end of the job
+    (every attempt), else the trainer's elapsed time (its last attempt only)."""
+    started, ended = _moment(outcome.get("started")), _moment(outcome.get("ended"))
+    if started and ended and ended >= started:
+        return (ended - started).total_seconds(), "llama-job"
+    elapsed = str(log.get("elapsed") or "")
+    parts = elapsed.split(":")
+    if len(parts) == 3 and all(p.strip().isdigit() for p in parts):
+        hours, minutes, seconds = (int(p) for p in parts)
+        return float(hours * 3600 + minutes * 60 + seconds), "trainer log"
+    return None, ""
+
+
+def _resume(
+    checkpoints: Mapping[str, Any] | None, run_id: str, run_dir: str, sharded: bool
+) -> dict[str, Any]:
+    """The checkpoint a resume would continue from (the rule of -e resume=true: the latest
+    complete checkpoint every node holds), the command, or why there is none."""
+    found = dict(checkpoints or {})
+    silent = sorted(host for host, entries in found.items() if entries is None)
+    if not found or silent:
+        return {
+            "checkpoint": None,
+            "command": None,
+            "message": (
+                f"{', '.join(silent)} did not answer, so the checkpoint to continue from is "
+                f"unknown. Bring it back (a run resumes on the same nodes), then: "
+                f"{resume_command(run_id)}"
+                if silent
+                else "its checkpoints were not looked for"
+            ),
+        }
+    point = resume_point(found, run_id, run_dir, "-", sharded)
+    if not point["ok"]:
+        return {"checkpoint": None, "command": None, "message": point["message"]}
+    return {
+        "checkpoint": point["checkpoint"],
+        "command": resume_command(run_id),
+        "message": f"Continue from {point['checkpoint']}: {resume_command(run_id)}",
+    }
+
+
+def job_run_summary(
+    outcome: Mapping[str, Any],
+    checkpoints: Mapping[str, Any] | None,
+    run_id: str,
+    run_dir: str = "",
+    sharded: bool = False,
+) -> dict[str, Any]:
+    """What a user wants to know of an ended run (succeeded, failed or stopped), from its
+    `job_outcome` and, for a failed or stopped run, the checkpoints every node holds
+    (job_found_files of a `find` for checkpoint-* and trainer_state.json in the output dir).
+
+    Returns outcome, step, total_steps, final_loss (the last attempt's last logged loss), time_s
+    and time_from (llama-job's start to end; the trainer log's elapsed where llama-job recorded
+    no end), restarts, max_restarts, restarted_after (the node that failed before each restart),
+    and resume: {checkpoint, command, message} for a failed or stopped run, else None. {} for a
+    run that has not ended.
+    """
+    phase = outcome.get("phase")
+    if phase not in TERMINAL:
+        return {}
+    log = outcome.get("trainer_log") or {}
+    record = outcome.get("progress") or {}
+    loss = log.get("final_loss")
+    if loss is None and isinstance(record.get("loss"), int | float):
+        loss = record["loss"]
+    seconds, source = _run_time(outcome, log)
+    restarts = [r for r in outcome.get("restarts") or [] if isinstance(r, Mapping)]
+    return {
+        "outcome": phase,
+        "step": log.get("last_step", record.get("current_steps")),
+        "total_steps": log.get("total_steps") or record.get("total_steps"),
+        "final_loss": loss,
+        "time_s": seconds,
+        "time_from": source,
+        "restarts": len(restarts),
+        "max_restarts": outcome.get("max_restarts", 0),
+        "restarted_after": [(r.get("after") or {}).get("node") for r in restarts],
+        "resume": None if phase == "succeeded" else _resume(checkpoints, run_id, run_dir, sharded),
+    }
+
+
+def _summary_lines(summary: Mapping[str, Any]) -> tuple[str, list[str]]:
+    """The head's figures of an ended run, and the lines under it."""
+    figures = []
+    if summary.get("step") is not None:
+        figures.append(f"step {summary['step']}/{summary.get('total_steps') or '?'}")
+    if isinstance(summary.get("final_loss"), int | float):
+        figures.append(f"final loss {summary['final_loss']:.4f}")
+    if summary.get("time_s") is not None:
+        figures.append(f"time {timedelta(seconds=int(summary['time_s']))}")
+    count, allowed = summary.get("restarts") or 0, summary.get("max_restarts") or 0
+    if count:
+        after = ", then ".join(str(node) for node in summary.get("restarted_after") or [])
+        lines = [f"  Restarts: {count} of {allowed} ({after} failed)"]
+    else:
+        lines = [f"  Restarts: none ({allowed} allowed)"]
+    resume = summary.get("resume")
+    if resume:
+        lines.append(
+            f"  {resume['message']}"
+            if resume.get("checkpoint")
+            else f"  No resume: {resume.get('message')}"
+        )
+    return ", ".join(figures), lines
+
+
 def _steps(names: object) -> list[int]:
     found = []
     for name in names or []:
@@ -211,12 +369,11 @@ def job_resume_advice(
     return f"{fix}continue from checkpoint-{max(common)} (on {', '.join(needs)}): {resume}"
 
 
-def job_status_lines(outcome: Mapping[str, Any], job: str) -> list[str]:
-    """status.yml's report of one run."""
+def _status_head(outcome: Mapping[str, Any], job: str, figures: str) -> str:
+    """The first line of status.yml's report: the phase and what matters in it."""
     phase = outcome.get("phase", "unknown")
     record = outcome.get("progress") or {}
     reason = outcome.get("reason") or {}
-    restarts = outcome.get("restarts") or []
     head = f"Run {job}: {phase}"
     if phase in ("running", "starting") and record:
         head += f", step {record.get('current_steps', '?')}/{record.get('total_steps', '?')}"
@@ -227,18 +384,28 @@ def job_status_lines(outcome: Mapping[str, Any], job: str) -> list[str]:
     elif phase == "restarting":
         head += (
             f" after {reason.get('node')}: {reason.get('message')} "
-            f"(restart {len(restarts) + 1} of {outcome.get('max_restarts')})"
+            f"(restart {len(outcome.get('restarts') or []) + 1} of {outcome.get('max_restarts')})"
         )
     elif phase in ("failed", "stopped") and reason:
         words = _exit_words(reason.get("exit_status"))
         head += f" on {reason.get('node')}: {reason.get('message')}"
         if words and words not in str(reason.get("message")):
             head += f" ({words})"
-    elif phase == "succeeded" and record:
-        head += f", {record.get('current_steps', '?')} steps"
-        if isinstance(record.get("loss"), int | float):
-            head += f", last loss {record['loss']:.4f}"
-    lines = [head]
+    elif phase == "succeeded" and figures:
+        head += f", {figures}"
+    return head
+
+
+def job_status_lines(outcome: Mapping[str, Any], job: str) -> list[str]:
+    """status.yml's report of one run; an ended run's figures come from outcome["summary"]
+    (job_run_summary)."""
+    phase = outcome.get("phase", "unknown")
+    summary = outcome.get("summary") or {}
+    figures, below = _summary_lines(summary) if summary else ("", [])
+    head = _status_head(outcome, job, figures)
+    if phase in ("failed", "stopped") and figures:
+        below.insert(0, f"  Ended at {figures}")
+    lines = [head, *below]
     for host, node in sorted((outcome.get("nodes") or {}).items()):
         state = node.get("phase") if node.get("reachable") else "did not answer"
         rank = f" rank {node['rank']}" if node.get("rank") is not None else ""
@@ -246,7 +413,7 @@ def job_status_lines(outcome: Mapping[str, Any], job: str) -> list[str]:
             f"  {host}{rank}: {state}"
             + (" (processes left)" if node.get("active") and state in TERMINAL else "")
         )
-    for item in restarts:
+    for item in outcome.get("restarts") or []:
         after = item.get("after") or {}
         lines.append(
             f"  restart to attempt {item.get('attempt')} at {item.get('at')}, after "
@@ -267,5 +434,8 @@ class FilterModule:
             "job_failure_message": job_failure_message,
             "job_resume_advice": job_resume_advice,
             "job_found_paths": job_found_paths,
+            "job_found_files": job_found_files,
+            "job_trainer_log": job_trainer_log,
+            "job_run_summary": job_run_summary,
             "job_status_lines": job_status_lines,
         }

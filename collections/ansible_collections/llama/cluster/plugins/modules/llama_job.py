@@ -8,6 +8,11 @@ import subprocess
 from typing import Any
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.llama.cluster.plugins.module_utils.trainer_log import (
+    log_figures,
+    parse_records,
+    read_tail,
+)
 
 DOCUMENTATION = r"""
 module: llama_job
@@ -62,6 +67,12 @@ options:
     type: list
     elements: int
     default: []
+  progress_file:
+    description:
+      - Rank 0's trainer log on this node (status): its last attempt's figures come back as
+        RV(trainer_log). Empty, or a file this node does not have, for none.
+    type: path
+    default: ""
   bin:
     description: Path of llama-job on the node.
     type: path
@@ -88,6 +99,11 @@ failed_hosts:
 done:
   description: For wait, whether what was waited for happened.
   type: bool
+trainer_log:
+  description:
+    - For status with O(progress_file), what the last attempt's records of the trainer log say
+      (last_step, total_steps, final_loss, elapsed, records); {} without one.
+  type: dict
 """
 
 
@@ -133,6 +149,17 @@ def leading(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     return next((r for r in ranks if r.get("role") == "master"), ranks[0] if ranks else {})
 
 
+def trainer_log(path: str) -> dict[str, Any]:
+    """The last attempt's figures of the trainer log at `path`; {} when there is none here."""
+    if not path:
+        return {}
+    try:
+        text = read_tail(path)
+    except OSError:
+        return {}
+    return log_figures(parse_records(text))
+
+
 def main() -> None:
     """Entry point."""
     module = AnsibleModule(
@@ -155,6 +182,7 @@ def main() -> None:
             "timeout": {"type": "float", "default": 15},
             "active": {"type": "bool", "default": False},
             "ports": {"type": "list", "elements": "int", "default": []},
+            "progress_file": {"type": "path", "default": ""},
             "bin": {"type": "path", "default": "/usr/local/sbin/llama-job"},
         },
         required_if=[
@@ -208,6 +236,8 @@ def main() -> None:
         failed = result["phase"] == "failed" and reason.get("node")
         result["failed_hosts"] = [reason["node"]] if failed else []
         result["done"] = bool(result.get("reached")) if action == "wait" else True
+    if action == "status":
+        result["trainer_log"] = trainer_log(params["progress_file"])
     module.exit_json(**result)
 
 
