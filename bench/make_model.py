@@ -4,7 +4,7 @@ Nothing comes from a hub. The model has the exact shape of Qwen2.5-0.5B, -1.5B, 
 size, layers, heads, KV heads, intermediate size, tied or untied embeddings, RoPE theta) and that
 model's padded vocabulary (151936 rows; 152064 for 7B), so parameter count, lm_head FLOPs and
 memory match the real models. The tokenizer is the tiny model's byte-level BPE
-(roles/tiny_model/files/make_tiny_model.py, imported, not copied) trained on the synthetic corpus
+(scripts/make_tiny_model.py, imported, not copied) trained on the synthetic corpus
 (16384 entries plus the Qwen chat special tokens), so only the first ~16k rows of the embedding are
 ever looked up; the softmax still runs over all the logits, as it does for the real model.
 
@@ -37,9 +37,7 @@ TOKENIZER_VOCAB = 16384
 MODEL_VOCAB = 151936
 DATASET_NAME = "synth_alpaca"
 # The tiny model's generator: its tokenizer builder is the one this benchmark uses.
-TINY_MODEL_SCRIPT = (
-    Path(__file__).resolve().parents[1] / "roles/tiny_model/files/make_tiny_model.py"
-)
+TINY_MODEL_SCRIPT = Path(__file__).resolve().parents[1] / "scripts/make_tiny_model.py"
 
 # Shapes from the published Qwen2.5 config.json files (hidden_size, num_hidden_layers,
 # num_attention_heads, num_key_value_heads, intermediate_size, vocab_size, tie_word_embeddings):
@@ -131,7 +129,7 @@ def write_dataset(data_dir: Path, samples: int) -> Path:
 
 
 def _tiny_model_module() -> ModuleType:
-    """Load roles/tiny_model/files/make_tiny_model.py (a script, not a package) as a module."""
+    """Load scripts/make_tiny_model.py (a script, not a package) as a module."""
     spec = importlib.util.spec_from_file_location("make_tiny_model", TINY_MODEL_SCRIPT)
     if spec is None or spec.loader is None:
         raise SystemExit(f"cannot load the tokenizer builder {TINY_MODEL_SCRIPT}")
@@ -143,7 +141,7 @@ def _tiny_model_module() -> ModuleType:
 def build_tokenizer(out_dir: Path, corpus_samples: int = 3000) -> Any:  # noqa: ANN401
     """Train a byte-level BPE like the tiny model's on the synthetic corpus, saved beside it.
 
-    The tiny model's special tokens, end and padding tokens (roles/tiny_model) with the
+    The tiny model's special tokens, end and padding tokens (scripts/make_tiny_model.py) with the
     tokenizers library's trainer (the role's own builder is pure Python, too slow for 16k
     entries), so that the tokenizer fits the data it will tokenize.
     """

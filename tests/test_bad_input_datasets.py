@@ -150,7 +150,7 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, s
     tmp = tmp_path_factory.mktemp("bad-datasets")
     inventory = tmp / "inventory.yml"
     inventory.write_text(INVENTORY)
-    # The controller has made the tiny model before (roles/tiny_model's generator, in the plan of
+    # The controller has made the tiny model before (scripts/make_tiny_model.py, in the plan of
     # train.yml's first play: a cache of the controller, no node's): made here once, so that each
     # case's recap counts what the bad dataset changed, which must be nothing.
     rc, out = _run(["-i", str(inventory), "-e", "model=tiny", "--tags", "none"], tmp)

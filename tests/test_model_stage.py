@@ -250,7 +250,7 @@ def test_the_progress_poll_notices_a_downloader_that_ended_without_a_word(tmp_pa
 
 
 def _make_tiny(directory: Path) -> dict:
-    script = ROOT / "roles/tiny_model/files/make_tiny_model.py"
+    script = ROOT / "scripts/make_tiny_model.py"
     done = subprocess.run(
         [sys.executable, str(script), str(directory)], capture_output=True, text=True, check=True
     )

@@ -2,7 +2,7 @@
 # Issue 11's Ubuntu 24.04 proof on the one-GPU machine (device tool, kind nvidia-h200): that
 # machine as a one-node cluster that is its own controller (bench/gpu/ubuntu_inventory.yml, local
 # connection): provision.yml in full (pre-flight included, no --tags), a second run that must
-# report changed=0, playbooks/check.yml, and a short train.yml of the tiny model (roles/tiny_model).
+# report changed=0, playbooks/check.yml, and a short train.yml of the tiny model (scripts/make_tiny_model.py).
 # Runs there as root from the repository root with .whl and collections carried
 # (bench/gpu/ubuntu_wheels.sh fills .whl here):
 #

@@ -47,7 +47,7 @@ description:
     request once (one message lists every bad number), the inventory's ranks and accelerator, and
     finds the model in models_catalogue with the -e overrides (one lookup).
   - The model's config.json is read on the controller. A generated model (the catalogue's tiny)
-    is made first with roles/tiny_model's generator (once; a second run changes nothing). A
+    is made first by scripts/make_tiny_model.py (once; a second run changes nothing). A
     directory of the controller is read where it is (and rsync must be there to copy it). A hub
     id is asked for with one GET of config.json at its endpoint, which pins the revision to the
     hub's commit; the Hugging Face token is sent to huggingface.co only, or to any endpoint with
@@ -179,8 +179,8 @@ TRAINING_SETTINGS = {
     "memory": "training_memory",
     "compile": "training_compile",
 }
-# The generator of roles/tiny_model, and its settings (group_vars/all/models.yml).
-TINY_MODEL_SCRIPT = "roles/tiny_model/files/make_tiny_model.py"
+# The tiny model's generator, and its settings (group_vars/all/models.yml).
+TINY_MODEL_SCRIPT = "scripts/make_tiny_model.py"
 TINY_MODEL_FLAGS = {
     "tiny_model_seed": "--seed",
     "tiny_model_vocab_size": "--vocab-size",
@@ -397,7 +397,7 @@ class ActionModule(ActionBase):
         return staging, config
 
     def _generate(self, directory: str) -> None:
-        """Make the generated model on the controller with roles/tiny_model's generator, once."""
+        """Make the generated model on the controller with scripts/make_tiny_model.py, once."""
         script = Path(self._var("project_dir")) / TINY_MODEL_SCRIPT
         argv = [str(self._var("tiny_model_python")), str(script), directory]
         argv += [f"{flag}={self._var(name)}" for name, flag in TINY_MODEL_FLAGS.items()]
