@@ -59,7 +59,8 @@ description:
     request every node stages (roles/model_stage; no secrets in it), and C(notes), the lines to
     show before launch. Fails with the problem and its fix, changing nothing on any node.
   - Reads the project's settings from the play's variables (models_catalogue, datasets_catalogue,
-    datasets_formats, datasets_default, training_*, the hub settings of group_vars/all/hub.yml,
+    datasets_formats, datasets_default, training_* (training_shared_storage for the checkpoints'
+    disk estimate), the hub settings of group_vars/all/hub.yml,
     tiny_model_*, controller_runs_dir, project_dir) and every node's hostvars and facts; a GPU
     node's facts must be gathered or cached before (train.yml reads the missing ones first).
 options:
@@ -305,6 +306,7 @@ class ActionModule(ActionBase):
         """The plan and the lines to show; raises Refused or the planner's error."""
         settings = {key: self._var(name) for key, name in TRAINING_SETTINGS.items()}
         settings["stages"] = list(DEEPSPEED_STAGES)
+        settings["shared_storage"] = bool(self._var("training_shared_storage", False))
         catalogue = settings["catalogue"]
         request = check_request(self._request(asked), catalogue, DEEPSPEED_STAGES)
         hostvars, groups = self._vars["hostvars"], self._var("groups")

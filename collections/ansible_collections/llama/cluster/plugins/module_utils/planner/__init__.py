@@ -12,7 +12,9 @@ One module per concern, each with its unit tests in tests/test_planner.py:
 - `rules`: the `when`/`set` profile rules kept as data (`apply_rules`);
 - `assembly`: `plan` puts it together, with the lines shown before launch;
 - `render`: train.yaml's arguments, the dataset registry and the run directory's files;
-- `checkpoints`: the checkpoint a resumed run continues from on every node.
+- `checkpoints`: the checkpoint a resumed run continues from on every node;
+- `disk`: the checkpoints kept, their size on every node and whether they fit its free space
+  (`disk_estimate`, `disk_budget`; tests/test_disk_budget.py).
 
 The Jinja filters that call it are plugins/filter/run_config.py. Standard library only; errors
 are `PlanError` (a filter error in Ansible) that say what to change.

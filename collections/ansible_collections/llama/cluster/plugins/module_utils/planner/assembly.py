@@ -16,6 +16,7 @@ from .decisions import (
     choose_stage,
     estimate_steps,
 )
+from .disk import disk_estimate, disk_summary
 from .errors import TRAINING_FILE, PlanError
 from .memory import GIB, Memory, gib_text
 from .model import resolve_model
@@ -75,8 +76,9 @@ def _training_args(
     stage: str,
     explicit: Mapping[str, Any],
     settings: Settings,
-) -> tuple[dict[str, Any], dict[str, str], Batch]:
-    """The training arguments: defaults < computed (batch, checkpointing, compile) < explicit."""
+) -> tuple[dict[str, Any], dict[str, str], Batch, int | None]:
+    """The training arguments: defaults < computed (batch, checkpointing, compile) < explicit;
+    the decisions, the batch and the estimated optimizer steps (None: unknown)."""
     merged = {**settings.defaults, **explicit}
     decisions = {}
     computed: dict[str, Any] = {}
@@ -128,7 +130,7 @@ def _training_args(
         computed["torch_compile"] = True
     decisions["torch_compile"] = "as set" if "torch_compile" in explicit else why
     decisions["estimated_steps"] = str(steps)
-    return {**settings.defaults, **computed, **explicit}, decisions, batch
+    return {**settings.defaults, **computed, **explicit}, decisions, batch, steps
 
 
 def plan(
@@ -194,7 +196,7 @@ def assemble(
     stage, stage_why, profile, applied = _stage_and_profile(request, model, memory, facts, data)
     explicit = {**profile, **(model.get("train_args") or {}), **train_args}
     explicit.pop("cutoff_len", None)  # model.cutoff_len holds it
-    args, decisions, batch = _training_args(
+    args, decisions, batch, steps = _training_args(
         request, model, memory, stage=stage, explicit=explicit, settings=data
     )
     decisions["deepspeed"] = stage_why
@@ -245,6 +247,20 @@ def assemble(
         "ranks": dict(ranks),
         "rules_applied": applied,
         "decisions": decisions,
+        "disk": disk_estimate(
+            model=model,
+            stage=stage,
+            args=args,
+            nproc=nproc,
+            world=world,
+            shared_storage=data.shared_storage,
+            steps=steps,
+            limit_source=(
+                "as set"
+                if "save_total_limit" in explicit
+                else f"the project's default in training_defaults, {TRAINING_FILE}"
+            ),
+        ),
     }
     result["summary"] = summary(result, smallest, smallest_host)
     return result
@@ -311,6 +327,7 @@ def summary(
             f"provision.yml, or set host_memory_gib); estimated need {plan['host_estimate_gib']} "
             "GiB per node"
         )
+    lines.extend(disk_summary(plan["disk"]))
     lines.append(f"Restarts after a failure: at most {plan['max_restarts']}")
     lines.append("Datasets: " + ", ".join(d.get("name", "") for d in plan["datasets"]))
     if plan["rules_applied"]:

@@ -292,3 +292,5 @@ class Settings:
     memory: Mapping[str, Any]
     compile: Mapping[str, Any]
     stages: Sequence[str]
+    # training_shared_storage: every rank writes its checkpoint shards to the one runs directory.
+    shared_storage: bool = False
