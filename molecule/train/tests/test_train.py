@@ -34,8 +34,10 @@ LLAMA_JOB = "/usr/local/sbin/llama-job"
 # A run long enough to be broken mid-way: 28 samples / (2 per device x 2 ranks) = 7 steps per
 # epoch, 140 steps, a checkpoint every 5. A rank is killed right after checkpoint-10 is saved on
 # its node; the other faults come once rank 0 has logged step 12. The tiny run takes 10-20 s
-# from there to its end on the 2-core CI machine, so every fault finds it still running.
-LONG_RUN = {"train_args": {"num_train_epochs": 20, "save_steps": 5}}
+# from there to its end on the 2-core CI machine, so every fault finds it still running. Every
+# checkpoint is kept (the plan's default keeps the latest 3, and the kills wait for checkpoint-10,
+# which would be gone within seconds).
+LONG_RUN = {"train_args": {"num_train_epochs": 20, "save_steps": 5, "save_total_limit": 100}}
 LONG_RUN_STEPS = 140
 FAULT_STEP = 12
 FAULT_CHECKPOINT = 10

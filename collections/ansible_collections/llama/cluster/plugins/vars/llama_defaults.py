@@ -37,7 +37,6 @@ DEFAULTS_DIR = GROUP_VARS_DIR
 class VarsModule(BaseVarsPlugin):
     """Supplies the project's defaults to the group all."""
 
-    REQUIRES_ENABLED = True
     is_stateless = True
 
     def get_vars(

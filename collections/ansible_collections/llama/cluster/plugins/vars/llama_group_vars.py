@@ -31,9 +31,11 @@ PROJECT_DIR = str(project.PROJECT_DIR)
 
 
 class VarsModule(HostGroupVars):
-    """host_group_vars that leaves the project's group_vars/all to llama_defaults."""
+    """host_group_vars that leaves the project's group_vars/all to llama_defaults.
 
-    REQUIRES_ENABLED = True
+    host_group_vars' REQUIRES_ENABLED, which this inherits, makes Ansible warn that a collection's
+    vars plugin does not need it (harmless: ansible.cfg enables this plugin by name)."""
+
     is_stateless = True
 
     def get_vars(
