@@ -9,6 +9,7 @@ from typing import Any
 from ansible.inventory.group import Group, InventoryObjectType
 from ansible.inventory.host import Host
 from ansible.parsing.dataloader import DataLoader
+from ansible.plugins.vars import BaseVarsPlugin
 from ansible.plugins.vars.host_group_vars import VarsModule as HostGroupVars
 from ansible.utils.path import basedir
 from ansible_collections.llama.cluster.plugins.module_utils import project
@@ -30,13 +31,15 @@ DOCUMENTATION = """
 PROJECT_DIR = str(project.PROJECT_DIR)
 
 
-class VarsModule(HostGroupVars):
+class VarsModule(BaseVarsPlugin):
     """host_group_vars that leaves the project's group_vars/all to llama_defaults.
 
-    host_group_vars' REQUIRES_ENABLED, which this inherits, makes Ansible warn that a collection's
-    vars plugin does not need it (harmless: ansible.cfg enables this plugin by name)."""
+    It runs host_group_vars' own code rather than inheriting its class: a collection's vars plugin
+    with host_group_vars' REQUIRES_ENABLED makes Ansible print a warning on every run, which
+    ansible-runner hands to callers as an event of its own."""
 
     is_stateless = True
+    load_found_files = HostGroupVars.load_found_files
 
     def get_vars(
         self,
@@ -54,4 +57,4 @@ class VarsModule(HostGroupVars):
                 for e in entities
                 if not (e.base_type is InventoryObjectType.GROUP and e.name == "all")
             ]
-        return super().get_vars(loader, path, entities, cache=cache)
+        return HostGroupVars.get_vars(self, loader, path, entities, cache=cache)
