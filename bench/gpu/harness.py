@@ -261,6 +261,8 @@ class Ctx:
         self.extra_vars = json.loads(args.product_extra) if args.product_extra else {}
         self.gpu_memory_gib = args.gpu_memory_gib
         self.port = 29600
+        # Added to the environment of every process a run starts (baselines.py: the GPU cap).
+        self.extra_env: dict[str, str] = {}
         for path in (self.results, self.models, self.data_dir):
             path.mkdir(parents=True, exist_ok=True)
         # Logical nodes of the scaling phase: one per GPU (the dry run: two CPU "nodes").
@@ -281,7 +283,12 @@ class Ctx:
         """The inventory of `nodes` logical nodes (one GPU each), as JSON (a YAML subset)."""
         path = self.work / f"inventory-{nodes}.yml"
         inv = inventory(
-            self.mode.name, nodes, self.base_dir, self.env_bin.parent, self.gpu_memory_gib
+            self.mode.name,
+            nodes,
+            self.base_dir,
+            self.env_bin.parent,
+            self.gpu_memory_gib,
+            extra_env=self.extra_env,
         )
         path.write_text(json.dumps(inv, indent=2) + "\n")
         return path
@@ -304,7 +311,13 @@ def gpu_count() -> int:
 
 
 def inventory(
-    mode: str, nodes: int, base_dir: Path, env_dir: Path, gpu_memory_gib: float | None
+    mode: str,
+    nodes: int,
+    base_dir: Path,
+    env_dir: Path,
+    gpu_memory_gib: float | None,
+    *,
+    extra_env: dict[str, str] | None = None,
 ) -> dict:
     """bench/gpu/inventory.yml's layout for `nodes` logical nodes, local connection.
 
@@ -329,12 +342,13 @@ def inventory(
         # Every logical node sees the one filesystem: checkpoints are written once, by rank 0.
         "training_shared_storage": True,
         "master_port": 29711 if mode == "gpu" else 29731,
-        "cluster_environment": dict(RUN_ENV),
+        "cluster_environment": {**RUN_ENV, **(extra_env or {})},
     }
     if mode == "gpu":
         node["cuda_version"] = "13.0"
     if gpu_memory_gib:
-        node["training_gpu_memory_gib"] = gpu_memory_gib
+        # The planning knob (planner/nodes.py): wins over the GPU memory the facts report.
+        node["gpu_memory_gib"] = gpu_memory_gib
     hosts = {}
     for index in range(nodes):
         host = {**node}
@@ -364,6 +378,7 @@ def inventory(
 def run_env(ctx: Ctx) -> dict[str, str]:
     """The environment of every process the benchmark starts."""
     env = {**os.environ, **RUN_ENV, "PYTHONUNBUFFERED": "1", "ANSIBLE_FORCE_COLOR": "0"}
+    env.update(ctx.extra_env)
     env["PATH"] = f"{ctx.env_bin}:{env.get('PATH', '')}"
     if ctx.mode.name == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
@@ -733,9 +748,19 @@ def sample_lengths(model_dir: Path, data: Path, cutoff: int) -> list[int]:
 
 
 def example(
-    ctx: Ctx, dest: Path, goal: Goal, accumulation: int, box: Box, *, cutoff: int = 2048
+    ctx: Ctx,
+    dest: Path,
+    goal: Goal,
+    accumulation: int,
+    box: Box,
+    *,
+    cutoff: int = 2048,
+    settings: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """LLaMA-Factory's example config for this model, launched by hand, stopped after the window."""
+    """LLaMA-Factory's example config for this model, launched by hand, stopped after the window.
+
+    `settings`: options of LLaMA-Factory's own set over the example's (a hand-tuned variant).
+    """
     dest.mkdir(parents=True, exist_ok=True)
     output = ctx.work / "hand" / dest.parent.name / "output"
     shutil.rmtree(output, ignore_errors=True)
@@ -749,6 +774,7 @@ def example(
         "cutoff_len": cutoff,
         "gradient_accumulation_steps": accumulation,
         **ctx.mode.extra_example,
+        **(settings or {}),
         **MEASURE,
     }
     if box.profile_step:
@@ -817,6 +843,8 @@ def example(
         "kind": "example by hand",
         "model": goal.model,
         "accumulation": accumulation,
+        "settings": settings or {},
+        "rendered": {k: cfg[k] for k in PROFILE_KEYS if k in cfg},
         "stopped_by": reason,
         "rc": proc.returncode,
         "smi_peak_gib": smi.stop(),
@@ -870,7 +898,9 @@ def context(result: dict[str, Any], cutoff: int, lengths: list[int]) -> float:
     return analyse.mean_context_unpacked(lengths)
 
 
-def real_tokens(result: dict[str, Any], dest: Path, lengths: list[int]) -> None:
+def real_tokens(
+    result: dict[str, Any], dest: Path, lengths: list[int], config: str = "train.yaml"
+) -> None:
     """Take the filler of packed rows out of a run's token counts.
 
     include_num_input_tokens_seen: non_padding sums the attention mask, and LLaMA-Factory's
@@ -879,7 +909,7 @@ def real_tokens(result: dict[str, Any], dest: Path, lengths: list[int]) -> None:
     epoch over the steps per epoch (trainer_log's total_steps / num_train_epochs); tokens/s is
     scaled by real / logged tokens per step. Unpacked runs count real tokens already.
     """
-    cfg = read_yaml(dest / "train.yaml")
+    cfg = read_yaml(dest / config)
     if not result.get("tokens_per_step") or not cfg.get("packing") or cfg.get("max_steps"):
         return
     total = max(
@@ -1197,7 +1227,9 @@ def main() -> int:
     r.add_argument("--base-dir", default="/opt/llama-cluster", help="cluster_base_dir of the nodes")
     r.add_argument("--env-bin", help="bin/ of the training environment (default: this Python's)")
     r.add_argument("--deadline-s", type=float, default=500)
-    r.add_argument("--gpu-memory-gib", type=float, help="set training_gpu_memory_gib on the nodes")
+    r.add_argument(
+        "--gpu-memory-gib", type=float, help="set gpu_memory_gib (the planning knob) on the nodes"
+    )
     r.add_argument("--nodes", type=int, help="logical nodes of scale-1.5b (default: the GPUs)")
     r.add_argument("--product-extra", help="JSON extra vars for every train.yml run")
     r.add_argument("phases", nargs="*")

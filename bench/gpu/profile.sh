@@ -2,13 +2,16 @@
 # Issue 17's benchmark: train.yml against LLaMA-Factory's example configs (bench/gpu/harness.py
 # says what each phase does; bench/gpu/PROFILE.md has the commands, budget and tables).
 #
-# On the GPU machine, from the repository root, .whl and collections carried (device tool):
+# On the GPU machine, from the repository root, .whl and .cache/collections carried (device tool):
 #   bash bench/gpu/profile.sh setup goal-1.5b goal-0.5b shard-none shard-zero2
 # Here, the dry run on the CPU with the tiny model (same phases, local connection):
 #   PROFILE_MODE=cpu bash bench/gpu/profile.sh setup goal-0.5b shard-zero2
+# Issue 21's baselines (a)-(d) and targets (bench/gpu/baselines.py):
+#   BENCH=baselines bash bench/gpu/profile.sh setup base-1.5b
+#   BENCH=baselines GPU_CAP_GIB=24 bash bench/gpu/profile.sh setup target-1.5b
 #
 # Environment: OUT (where results go; the device tool sets it), DEADLINE_S (seconds after which no
-# phase starts; default 480), GPU_MEMORY_GIB (sets training_gpu_memory_gib on the nodes instead of
+# phase starts; default 480), GPU_MEMORY_GIB (sets gpu_memory_gib, the planning knob, on the nodes instead of
 # leaving it to the node facts), PRODUCT_EXTRA (JSON extra vars for every train.yml run).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -18,8 +21,8 @@ mode=${PROFILE_MODE:-gpu}
 out=${OUT:-/tmp/profile-out}
 mkdir -p "$out"
 if [[ $mode == gpu ]]; then
-  for need in .whl/llamafactory-*.whl .whl/ansible_core-*.whl collections/ansible_collections/community/general; do
-    [[ -e $need ]] || { echo "missing $need: run bench/gpu/wheels.py here and carry .whl and collections"; exit 2; }
+  for need in .whl/llamafactory-*.whl .whl/ansible_core-*.whl .cache/collections/ansible_collections/community/general; do
+    [[ -e $need ]] || { echo "missing $need: run bench/gpu/wheels.py here and carry .whl and .cache/collections"; exit 2; }
   done
   # The image's own environment (torch 2.11.0+cu130) gets the carried wheels: train.yml's launcher
   # runs <cluster_env_dir>/bin/llamafactory-cli, so they go where that is, not into a --target dir.
@@ -39,4 +42,8 @@ args=(run --mode "$mode" --playbook "$playbook" --out "$out" --work "$work" --ba
       --deadline-s "${DEADLINE_S:-480}")
 [[ -n ${GPU_MEMORY_GIB:-} ]] && args+=(--gpu-memory-gib "$GPU_MEMORY_GIB")
 [[ -n ${PRODUCT_EXTRA:-} ]] && args+=(--product-extra "$PRODUCT_EXTRA")
-exec "$python" bench/gpu/harness.py "${args[@]}" "$@"
+# BENCH=baselines runs bench/gpu/baselines.py (issue 21's comparisons; GPU_CAP_GIB emulates a
+# smaller GPU there) with the same set-up.
+bench=${BENCH:-harness}
+[[ -n ${GPU_CAP_GIB:-} ]] && args+=(--gpu-cap-gib "$GPU_CAP_GIB")
+exec "$python" "bench/gpu/$bench.py" "${args[@]}" "$@"

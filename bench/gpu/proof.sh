@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU proof (issue 7): the project's own playbooks on the 2x H200 machine, two logical nodes
 # on one host (bench/gpu/inventory.yml), then the same training YAML launched by hand, and on one
-# GPU. Runs there as root from the repository root, with .whl/ and collections/ carried:
+# GPU. Runs there as root from the repository root, with .whl/ and .cache/collections/ carried:
 #   bash bench/gpu/proof.sh [phase...]     phases: setup provision check train hand one sockets
 # Everything it measures goes to $OUT (or /tmp/proof).
 set -uo pipefail

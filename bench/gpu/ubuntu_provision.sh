@@ -3,7 +3,7 @@
 # machine as a one-node cluster that is its own controller (bench/gpu/ubuntu_inventory.yml, local
 # connection): provision.yml in full (pre-flight included, no --tags), a second run that must
 # report changed=0, playbooks/check.yml, and a short train.yml of the tiny model (scripts/make_tiny_model.py).
-# Runs there as root from the repository root with .whl and collections carried
+# Runs there as root from the repository root with .whl and .cache/collections carried
 # (bench/gpu/ubuntu_wheels.sh fills .whl here):
 #
 #   bash bench/gpu/ubuntu_provision.sh [step...]   steps: machine controller provision rerun check train

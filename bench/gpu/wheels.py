@@ -14,7 +14,8 @@ What it does, in the repository whose root holds this script:
    CPython 3.12 on Linux) is carried or in the image (bench/gpu/image_packages.txt), at a version
    that satisfies it where the image's version is known;
 4. prints the size of what a device call sends: the working tree (tracked and untracked files that
-   git does not ignore) plus the carried paths (.whl and collections), against the 64 MiB limit.
+   git does not ignore) plus the carried paths (.whl, and .cache/collections: the third-party
+   collections), against the 64 MiB limit.
 
 Exit status 1 when a check fails or the total is over the limit.
 """
@@ -273,7 +274,7 @@ def main() -> int:
         print(f"PROBLEM: {problem}")
     wheels = sorted(args.dest.glob("*.whl"))
     whl_bytes = sum(p.stat().st_size for p in wheels)
-    carried = [args.dest, ROOT / "collections"]
+    carried = [args.dest, ROOT / ".cache" / "collections"]
     tree, extra = travelling_bytes(ROOT, [p.resolve() for p in carried if p.exists()])
     total = tree + extra
     print(f"{len(wheels)} wheels, {whl_bytes / 2**20:.1f} MiB in {args.dest}")

@@ -17,6 +17,7 @@ sys.path.insert(0, str(ROOT / "bench" / "gpu"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import analyse  # noqa: E402
+import baselines  # noqa: E402
 import harness  # noqa: E402
 import make_model  # noqa: E402
 import wheels  # noqa: E402
@@ -126,7 +127,53 @@ def test_inventory_one_node_per_gpu():
     assert [h["gpu_ids"] for h in hosts.values()] == [[0], [1]]
     assert all(h["cluster_environment"]["NCCL_NVLS_ENABLE"] == "0" for h in hosts.values())
     # Left to the node facts unless asked for.
-    assert "training_gpu_memory_gib" not in hosts["gpu0"]
+    assert "gpu_memory_gib" not in hosts["gpu0"]
+    capped = harness.inventory(
+        "gpu", 1, Path("/b"), Path("/e"), 24.0, extra_env={"LLAMA_BENCH_GPU_CAP_GIB": "24.0"}
+    )
+    node = capped["all"]["children"]["cluster"]["children"]["master"]["hosts"]["gpu0"]
+    assert node["gpu_memory_gib"] == 24.0
+    assert node["cluster_environment"]["LLAMA_BENCH_GPU_CAP_GIB"] == "24.0"
+    assert node["cluster_environment"]["NCCL_NVLS_ENABLE"] == "0"
+
+
+def test_expert_variants_pack_one_optimizer_step_into_rows():
+    variants = baselines.expert_variants(8192, 2048)
+    assert {v["per_device_train_batch_size"] for v in variants.values()} == {4}
+    assert all(v["packing"] for v in variants.values())
+    assert variants["c3_packed_nockpt_compile"]["torch_compile"] is True
+    assert "disable_gradient_checkpointing" not in variants["c1_packed"]
+
+
+def test_baseline_ratios_take_the_best_expert_config():
+    runs = {
+        "d_train_yml": {"ok": True, "tokens_per_s": 30000.0},
+        "a_example": {"ok": True, "tokens_per_s": 1500.0},
+        "b_example_batch": {"ok": True, "tokens_per_s": 6000.0},
+        "c1_packed": {"ok": True, "tokens_per_s": 20000.0},
+        "c2_packed_nockpt": {"ok": True, "tokens_per_s": 31000.0},
+        "c3_packed_nockpt_compile": {"ok": False, "cause": "CUDA out of memory"},
+    }
+    summary = baselines.summarise("1.5b", baselines.GOALS["1.5b"], runs)
+    assert summary["c_best"] == "c2_packed_nockpt"
+    assert summary["d_over_a"] == 20.0
+    assert summary["d_over_b"] == 5.0
+    assert summary["d_over_c"] == pytest.approx(30000 / 31000, abs=1e-3)
+    assert baselines.out_of_memory(
+        {"ok": False, "cause": "torch.OutOfMemoryError: CUDA out of memory"}
+    )
+    assert not baselines.out_of_memory({"ok": True})
+
+
+def test_gpu_cap_is_written_for_every_training_process(tmp_path):
+    ctx = type("Ctx", (), {"work": tmp_path, "extra_env": {}, "gpu_memory_gib": None})()
+    baselines.cap_gpu(ctx, 24.0)
+    assert ctx.gpu_memory_gib == 24.0
+    assert ctx.extra_env["LLAMA_BENCH_GPU_CAP_GIB"] == "24.0"
+    code = (Path(ctx.extra_env["PYTHONPATH"]) / "sitecustomize.py").read_text()
+    compile(code, "sitecustomize.py", "exec")
+    assert "set_per_process_memory_fraction" in code
+    assert "LOCAL_RANK" in code
 
 
 def test_carried_wheels_must_be_for_python_312():
