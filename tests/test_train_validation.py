@@ -363,3 +363,46 @@ def test_a_bad_number_is_refused_before_any_node_is_touched(bad_numbers: str, me
     assert "localhost" in recap
     assert " a " not in recap
     assert " b " not in recap
+
+
+def _linked(address: str, peer: str, gbps: float) -> str:
+    """A GPU node (one H200) whose check.yml link facts name one peer at `gbps`."""
+    links = {
+        "measured_at": "2026-12-02T08:00:00Z",
+        "interfaces": {"eth1": {"kind": "ethernet", "speed_mbps": 10000, "mtu": 1500}},
+        "ifname": "eth1",
+        "peers": {peer: {"ifname": "eth1", "tcp_gbps": gbps, "rtt_ms": 0.3}},
+    }
+    node = json.loads(_node(address, gpu_mib=[H200_MIB]))
+    node["ansible_local"]["llama_links"] = links
+    return json.dumps(node)
+
+
+def test_nodes_predicted_to_train_slower_than_one_are_refused_before_launch(
+    tmp_path: Path,
+) -> None:
+    inventory = _inventory(
+        tmp_path, {"a": _linked("192.0.2.1", "b", 9.4)}, {"b": _linked("192.0.2.2", "a", 9.6)}
+    )
+    asked = ("-e", "model=qwen2.5-7b", "-e", "finetuning_type=full", "-e", "render_hosts=no_node")
+    rc, out = _train(inventory, *asked, playbook="tests/playbooks/render_run.yml")
+    assert rc != 0
+    assert "Refused before launch: 2 nodes would train slower than 1" in out
+    assert "link 9.4 Gbit/s, check.yml's slowest TCP stream, a to b" in out
+    assert "LoRA (-e finetuning_type=lora)" in out
+    # The user's figure wins over the facts, and the override trains anyway.
+    out = _plan(inventory, *asked, "-e", "link_gbps=800")
+    assert "Link between nodes: 800 Gbit/s (link_gbps (inventory or -e, a))" in out
+    out = _plan(inventory, *asked, "-e", "allow_slow_scaling=true")
+    assert "training anyway (-e allow_slow_scaling=true)" in out
+
+
+def test_train_yml_refuses_zero3_over_a_10_mbit_link_before_any_node_changes(
+    tmp_path: Path,
+) -> None:
+    inventory = _inventory(
+        tmp_path, {"a": _linked("192.0.2.1", "b", 0.01)}, {"b": _linked("192.0.2.2", "a", 0.01)}
+    )
+    out = _fails_before_nodes(inventory, "-e", "model=tiny", "-e", "deepspeed=zero3")
+    assert "Refused before launch: 2 nodes would" in out
+    assert "link 0.01 Gbit/s, check.yml's slowest TCP stream" in out

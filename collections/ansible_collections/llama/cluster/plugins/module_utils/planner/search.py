@@ -239,17 +239,17 @@ def go_no_go(scales: list[Scale]) -> str | None:
     return None
 
 
-def needed_gbps(option: Option, shape: Shape, link: Link, world: int) -> float | None:
-    """The link (Gbit/s) at which `option` would reach MIN_EFFICIENCY of its compute, or None
-    when its fixed costs alone keep it below (latency, the per-step overhead)."""
-    compute = option.cost.compute
-    moved = option.cost.traffic
-    budget = compute / MIN_EFFICIENCY - compute  # communication seconds allowed
+def needed_gbps(
+    option: Option, shape: Shape, link: Link, world: int, seconds: float
+) -> float | None:
+    """The link (Gbit/s) on which `option`'s step would take at most `seconds`, or None when
+    its compute and the fixed costs (latency, the per-step overhead) alone take longer."""
     fast = replace(link, bandwidth=1e18)
     floor = step_cost(shape, option.setup, world=world, link=fast).communication or 0.0
-    if floor >= budget:
+    budget = seconds - option.cost.compute - floor
+    if budget <= 0:
         return None
-    return moved.wire_bytes / (budget - floor) * 8 / 1e9
+    return option.cost.traffic.wire_bytes / budget * 8 / 1e9
 
 
 def option_mfu(option: Option, shape: Shape, finetuning: str) -> float:
@@ -403,9 +403,23 @@ def _ways_out(
                 f"batch: {verdict})"
             )
             break
-    gbps = needed_gbps(chosen, search.shape, link, memory.world)
-    if gbps is not None:
-        ways.append(f"a faster link: at least {gbps:,.3g} Gbit/s for this plan")
+    # The step time at which these nodes pay: MIN_EFFICIENCY of linear, and faster than fewer.
+    fewest = next((s for s in scales if s.tokens_per_s), None)
+    tokens = chosen.cost.tokens * memory.world
+    if fewest is not None and fewest.tokens_per_s:
+        rates = [MIN_EFFICIENCY * fewest.tokens_per_s * nnodes / fewest.nodes]
+        rates += [s.tokens_per_s for s in scales[:-1] if s.tokens_per_s]
+        seconds = (
+            chosen.cost.compute / MIN_EFFICIENCY
+            if fewest.nodes == nnodes  # only this many nodes fit: against its own compute
+            else tokens / max(rates)
+        )
+        gbps = needed_gbps(chosen, search.shape, link, memory.world, seconds)
+        ways.append(
+            f"a faster link: at least {gbps:,.3g} Gbit/s for this plan"
+            if gbps is not None
+            else "no faster link: this plan's compute alone is slower than fewer nodes"
+        )
     return ways or ["none predicted to pay on this link"]
 
 
