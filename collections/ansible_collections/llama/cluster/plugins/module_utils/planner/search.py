@@ -5,7 +5,11 @@ the cost model's predicted step time (`ranked`); the predicted scaling over 1..N
 MIN_EFFICIENCY of linear (`go_no_go`).
 
 The tokens per optimizer step are the user's: every candidate splits the same rows per process
-into micro-batch x accumulation, so a faster step is always more tokens per second.
+into micro-batch x accumulation, and candidates are ranked by seconds per token.
+
+Not candidates: FSDP (never chosen, only run when asked: its cost is planned as ZeRO-3's), and
+HSDP or ZeRO++ hpZ (shards inside a node, replicas across nodes), which LLaMA-Factory 0.9.5 was
+not shown to run here (no lab run of either; DeepSpeed's ZeRO needs a GPU or oneCCL, not gloo).
 """
 
 from __future__ import annotations
