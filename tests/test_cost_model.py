@@ -37,6 +37,9 @@ from ansible_collections.llama.cluster.plugins.module_utils.planner.links import
 from ansible_collections.llama.cluster.plugins.module_utils.planner.model import (  # noqa: E402
     model_params,
 )
+from ansible_collections.llama.cluster.plugins.module_utils.planner.nodes import (  # noqa: E402
+    describe_nodes,
+)
 from test_planner import make_plan, nodes  # noqa: E402
 from test_run_plan_action import CONFIG  # noqa: E402
 
@@ -208,3 +211,13 @@ def test_the_plan_names_the_winner_and_the_runner_up_with_figures() -> None:
     assert "MFU" in predicted
     assert "slower per step" in runner
     assert " s against " in runner
+
+
+def test_a_link_knob_that_is_not_a_number_is_refused_naming_the_host_and_the_unit() -> None:
+    hostvars = {"n0": {"cluster_accelerator": "cpu", "link_gbps": "fast"}}
+    with pytest.raises(PlanError, match=r"n0: link_gbps = 'fast' must be a number of Gbit/s > 0"):
+        describe_nodes({"n0": 0}, hostvars, {"n0": 1})
+    facts = {"ansible_local": {"llama_links": FACTS}, "cluster_accelerator": "cpu"}
+    (node,) = describe_nodes({"n0": 0}, {"n0": facts}, {"n0": 1})
+    assert node["links"]["peers"]["n1"] == {"gbps": 21.5, "rtt_ms": 0.2}
+    assert node["links"]["link_gbps"] is None
