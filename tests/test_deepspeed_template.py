@@ -54,6 +54,13 @@ def expected(stage: str, bucket: int, overlap: bool) -> dict[str, Any]:
     offload = {"device": "cpu", "pin_memory": True}
     zero = {
         "zero0": {"stage": 0, "reduce_bucket_size": bucket},
+        # New with the cost model (no per-stage template had it): stage 1.
+        "zero1": {
+            "stage": 1,
+            "reduce_scatter": True,
+            "reduce_bucket_size": bucket,
+            "allgather_bucket_size": bucket,
+        },
         "zero2": {
             "stage": 2,
             "allgather_partitions": True,
@@ -101,7 +108,7 @@ def rendered(
     return out, bucket, overlap
 
 
-@pytest.mark.parametrize("stage", ["zero0", "zero2", "zero3", "zero3_offload"])
+@pytest.mark.parametrize("stage", ["zero0", "zero1", "zero2", "zero3", "zero3_offload"])
 def test_one_template_renders_what_the_per_stage_templates_did(
     rendered: tuple[Path, int, bool], stage: str
 ) -> None:
@@ -112,4 +119,4 @@ def test_one_template_renders_what_the_per_stage_templates_did(
 def test_every_deepspeed_stage_has_its_data(rendered: tuple[Path, int, bool]) -> None:
     out, _, _ = rendered
     stages = sorted(p.stem for p in out.glob("*.json"))
-    assert stages == ["zero0", "zero2", "zero3", "zero3_offload"]
+    assert stages == ["zero0", "zero1", "zero2", "zero3", "zero3_offload"]

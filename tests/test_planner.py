@@ -127,28 +127,32 @@ def make_plan(
 
 # One GPU per node (world size = node count). Cells: 24 | 48 | 80 | 141 GiB, each "1 2 4 nodes".
 # One node is the measured model (BENCHMARKS.md section 5); several are extrapolated from it.
-# none = DDP, z2 = ZeRO-2, z3 = ZeRO-3, off = ZeRO-3 with CPU offload.
+# none = DDP, z1 = ZeRO-1, z2 = ZeRO-2, z3 = ZeRO-3, off = ZeRO-3 with CPU offload. The stage is
+# the fastest that fits by the cost model (planner/cost.py); these nodes have no link facts, so
+# communication is not counted: ZeRO-1 wins over ZeRO-2 wherever it fits (it moves its gradients
+# once per step), and a sharded stage over DDP where it lets the micro-batch grow without
+# recomputation.
 STAGE_TABLE = {
     ("llama3-8b", "lora"): "none none none | none none none | none none none | none none none",
-    ("llama3-8b", "full"): "off off off | off off z3 | off z3 z2 | none z2 z2",
+    ("llama3-8b", "full"): "off off off | off off z3 | off z3 z1 | none z2 z1",
     ("qwen-7b", "lora"): "none none none | none none none | none none none | none none none",
-    ("qwen-7b", "full"): "off off off | off off z3 | off z3 z2 | none z2 z2",
+    ("qwen-7b", "full"): "off off off | off off z3 | off z3 z1 | none z2 z1",
     ("qwen2.5-0.5b", "lora"): "none none none | none none none | none none none | none none none",
-    ("qwen2.5-0.5b", "full"): "none none none | none none none | none none none | none none none",
+    ("qwen2.5-0.5b", "full"): "none z1 z1 | none none none | none none none | none none none",
     ("qwen2.5-1.5b", "lora"): "none none none | none none none | none none none | none none none",
-    ("qwen2.5-1.5b", "full"): "off z2 z2 | none none none | none none none | none none none",
+    ("qwen2.5-1.5b", "full"): "off z1 z1 | none none none | none none none | none none none",
     ("qwen2.5-7b", "lora"): "none none none | none none none | none none none | none none none",
-    ("qwen2.5-7b", "full"): "off off off | off off z3 | off z3 z2 | none z2 z2",
+    ("qwen2.5-7b", "full"): "off off off | off off z3 | off z3 z1 | none z2 z1",
     ("qwen3-0.6b", "lora"): "none none none | none none none | none none none | none none none",
-    ("qwen3-0.6b", "full"): "none none none | none none none | none none none | none none none",
+    ("qwen3-0.6b", "full"): "none z1 z1 | none none none | none none none | none none none",
     ("qwen3-1.7b", "lora"): "none none none | none none none | none none none | none none none",
-    ("qwen3-1.7b", "full"): "off z2 z2 | none none none | none none none | none none none",
+    ("qwen3-1.7b", "full"): "off z2 z1 | none none none | none none none | none none none",
     ("qwen3-4b", "lora"): "none none none | none none none | none none none | none none none",
-    ("qwen3-4b", "full"): "off off z3 | off z3 z2 | none z2 z2 | none none none",
+    ("qwen3-4b", "full"): "off off off | off z3 z1 | none z1 z1 | none none none",
     ("qwen3-8b", "lora"): "none none none | none none none | none none none | none none none",
-    ("qwen3-8b", "full"): "off off off | off off z3 | off z3 z2 | none z2 z2",
+    ("qwen3-8b", "full"): "off off off | off off z3 | off z3 z1 | none z1 z1",
 }
-SHORT = {"none": "none", "zero2": "z2", "zero3": "z3", "zero3_offload": "off"}
+SHORT = {"none": "none", "zero1": "z1", "zero2": "z2", "zero3": "z3", "zero3_offload": "off"}
 MEMORIES = (24, 48, 80, 141)
 NODE_COUNTS = (1, 2, 4)
 
@@ -182,9 +186,9 @@ def test_freeze_plans_like_lora(model: str, gib: int) -> None:
     assert freeze["gradient_checkpointing"] == lora["gradient_checkpointing"]
 
 
-def test_eight_gpu_nodes_shard_a_full_7b_with_zero2_not_zero3() -> None:
+def test_eight_gpu_nodes_shard_a_full_7b_with_zero1_not_zero3() -> None:
     plan = make_plan(cluster=nodes(2, nproc=8, gib=80), finetuning_type="full")
-    assert plan["deepspeed"] == "zero2"
+    assert plan["deepspeed"] == "zero1"
     assert plan["world_size"] == 16
 
 
@@ -212,7 +216,7 @@ def test_the_plan_is_for_the_smallest_gpu_of_any_node() -> None:
     plan = make_plan("qwen2.5-1.5b", cluster=cluster, finetuning_type="full")
     alone = make_plan("qwen2.5-1.5b", cluster=nodes(2, gib=24.0), finetuning_type="full")
     assert plan["gpu_memory_gib"] == 24.0
-    assert plan["deepspeed"] == alone["deepspeed"] == "zero2"
+    assert plan["deepspeed"] == alone["deepspeed"] == "zero1"
     assert any("smallest node: n1" in line for line in plan["summary"])
 
 
@@ -973,7 +977,7 @@ def test_the_plan_shown_before_launch_lists_every_decision() -> None:
         "Nodes 2 x 8 processes = world size 16 (nvidia)",
         "Effective batch 64 = per-device 4 x accumulation 1 x world size 16",
         "Tokens per optimizer step: 8192 per process x 16 = 131072 (packed rows of 2048 tokens)",
-        "DeepSpeed: none (chosen by the rule in group_vars/all/training.yml",
+        "DeepSpeed: none (the fastest predicted of",
         "Gradient checkpointing: off",
         "Packing: on; torch.compile: on",
         f"GPU memory planned for: {H200_GIB} GiB per GPU",

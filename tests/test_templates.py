@@ -26,10 +26,10 @@ TRAIN_PYTHON = Path(
 MODELS = sorted(
     yaml.safe_load((ROOT / "group_vars/all/models.yml").read_text())["models_catalogue"]
 )
-STAGES = ["none", "zero0", "zero2", "zero3", "zero3_offload", "fsdp"]
+STAGES = ["none", "zero0", "zero1", "zero2", "zero3", "zero3_offload", "fsdp"]
 # Every stage for a full fine-tune and a LoRA one; every other model (its template, LoRA target,
 # layer class) at ZeRO-2, which test_train_yaml_reads_like_a_hand_written_file reads. Rendering
-# is a playbook run per model, the slowest part of the suite: this keeps it to 20 renders.
+# is a playbook run per model, the slowest part of the suite: this keeps it to 22 renders.
 ALL_STAGES_FOR = ("qwen2.5-0.5b", "qwen-7b")
 PAIRS = [(m, s) for m in MODELS for s in (STAGES if m in ALL_STAGES_FOR else ["zero2"])]
 ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
@@ -133,7 +133,7 @@ def test_rendered_configs_are_accepted_by_llamafactory_deepspeed_and_accelerate(
     assert verdict["train.yaml"] == "ok"
     assert verdict["accelerate.yaml"].startswith("ok")
     if stage.startswith("zero"):
-        expected = {"zero0": 0, "zero2": 2}.get(stage, 3)
+        expected = {"zero0": 0, "zero1": 1, "zero2": 2}.get(stage, 3)
         assert verdict["ds_config.json"] == f"ok stage {expected}"
     else:
         assert "ds_config.json" not in verdict

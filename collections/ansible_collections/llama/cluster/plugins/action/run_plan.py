@@ -121,7 +121,7 @@ options:
     default: false
   deepspeed:
     description:
-      - auto, none, zero0, zero2, zero3, zero3_offload or fsdp (default training_deepspeed).
+      - auto, none, zero0, zero1, zero2, zero3, zero3_offload or fsdp (default training_deepspeed).
     type: str
   train_args:
     description: LLaMA-Factory training arguments (a mapping) that win over every default.
@@ -131,6 +131,12 @@ options:
     description:
       - Tokens per process per optimizer step, an integer >= 1 (default training_tokens_per_step).
     type: raw
+  allow_slow_scaling:
+    description:
+      - Train even where the cost model predicts that the nodes would train slower than fewer
+        nodes, or below 60 % of linear scaling (otherwise refused before launch).
+    type: raw
+    default: false
   max_restarts:
     description: Restarts allowed after a failure, an integer >= 0 (recorded in the plan).
     type: raw
@@ -350,6 +356,7 @@ class ActionModule(ActionBase):
                 "trust_remote_code",
                 "train_args",
                 "max_restarts",
+                "allow_slow_scaling",
             )
         }
         request["deepspeed"] = asked["deepspeed"] or self._var("training_deepspeed")

@@ -7,8 +7,14 @@ One module per concern, each with its unit tests in tests/test_planner.py:
   `RUN_SCHEMA`), and the project's settings the planner reads (`Settings`);
 - `model`: the model from the catalogue, `-e` overrides and its config.json (`model_params`);
 - `nodes`: every node's accelerator, processes and GPU memory from its facts (`describe_nodes`);
-- `memory`: the memory model; `decisions`: the DeepSpeed stage, micro-batch, accumulation,
-  checkpointing and torch.compile it leads to (`choose_stage`, `choose_batch`, `choose_compile`);
+- `memory`: the memory model; `cost`: the predicted step time (compute, optimizer, offload,
+  communication; tests/test_cost_model.py); `links`: the link between the nodes from their
+  facts or link_gbps (`run_link`);
+- `search`: the candidates that fit, ranked by predicted step time, the scaling over 1..N nodes
+  and the go/no-go (`ranked`, `scaling`, `assess`);
+- `decisions`: micro-batch, accumulation, checkpointing and torch.compile (`choose_batch`,
+  `choose_compile`), and the first stage that fits where the cost model does not apply
+  (`choose_stage`: CPUs, a model of unknown shape);
 - `rules`: the `when`/`set` profile rules kept as data (`apply_rules`);
 - `assembly`: `plan` puts it together, with the lines shown before launch;
 - `render`: train.yaml's arguments, the dataset registry and the run directory's files;

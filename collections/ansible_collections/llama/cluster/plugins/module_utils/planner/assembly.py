@@ -5,9 +5,10 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from .cost import Link
 from .decisions import (
     Batch,
     BatchRequest,
@@ -18,11 +19,13 @@ from .decisions import (
 )
 from .disk import disk_estimate, disk_summary
 from .errors import TRAINING_FILE, PlanError
+from .links import run_link
 from .memory import GIB, Memory, gib_text
 from .model import resolve_model
 from .nodes import check_nodes
 from .rules import apply_rules, check_rules
 from .schema import Settings, check_project_settings, check_request
+from .search import SEARCH_STAGES, Option, Search, assess, ranked
 
 
 def _smallest(
@@ -32,16 +35,79 @@ def _smallest(
     return min(known, key=lambda n: n[key]) if known else None
 
 
+def _explicit(
+    request: Mapping[str, Any], model: Mapping[str, Any], profile: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The training arguments someone set: the profile rules < the catalogue < -e train_args."""
+    explicit = {**profile, **(model.get("train_args") or {}), **request["train_args"]}
+    explicit.pop("cutoff_len", None)  # model.cutoff_len holds it
+    explicit.pop("deepspeed", None)
+    return explicit
+
+
+def _batch_request(
+    request: Mapping[str, Any],
+    model: Mapping[str, Any],
+    explicit: Mapping[str, Any],
+    settings: Settings,
+) -> BatchRequest:
+    """What the batch rule starts from, for these explicit arguments."""
+    ckpt = explicit.get("disable_gradient_checkpointing")
+    return BatchRequest(
+        cutoff=int(model["cutoff_len"]),
+        tokens_per_step=int(request["tokens_per_step"]),
+        packing=bool({**settings.defaults, **explicit}.get("packing", False)),
+        micro=explicit.get("per_device_train_batch_size"),
+        accumulation=explicit.get("gradient_accumulation_steps"),
+        checkpointing=None if ckpt is None else not ckpt,
+        default_micro=int(settings.defaults.get("per_device_train_batch_size", 1)),
+        default_accumulation=int(settings.defaults.get("gradient_accumulation_steps", 1)),
+    )
+
+
+def _searched(
+    request: Mapping[str, Any],
+    model: Mapping[str, Any],
+    memory: Memory,
+    *,
+    facts: Mapping[str, Any],
+    settings: Settings,
+    link: Link | None,
+) -> Search | None:
+    """The candidates of every stage the planner may choose (or the one asked for), ranked by
+    the cost model; None where it does not apply (CPUs, a model of unknown shape)."""
+    shape = memory.measured_shape()
+    if memory.budget is None or shape is None:
+        return None
+    asked = request.get("deepspeed") or "auto"
+    stages = SEARCH_STAGES[memory.finetuning] if asked == "auto" else (asked,)
+    asks = {}
+    for stage in stages:
+        profile, _ = apply_rules(settings.rules, {**facts, "deepspeed": stage})
+        asks[stage] = _batch_request(request, model, _explicit(request, model, profile), settings)
+    merged = {**settings.defaults, **_explicit(request, model, {})}
+    rank = int(merged.get("lora_rank") or 8)
+    options, skipped = ranked(memory, asks, shape, link, rank)
+    return Search(asks, shape, rank, options, skipped)
+
+
 def _stage_and_profile(
     request: Mapping[str, Any],
     model: Mapping[str, Any],
     memory: Memory,
+    *,
     facts: dict[str, Any],
     settings: Settings,
+    search: Search | None,
 ) -> tuple[str, str, dict[str, Any], list[str]]:
     """The stage and why; the profile rules' settings (after the stage they may test or set)."""
     asked = request.get("deepspeed") or "auto"
-    if asked == "auto":
+    if asked == "auto" and search is not None and search.options:
+        stage = search.options[0].stage
+        why = f"the fastest predicted of {len(search.options)} candidates that fit" + (
+            "; " + ", ".join(search.skipped) + " would not fit" if search.skipped else ""
+        )
+    elif asked == "auto":
         stage, why = choose_stage(
             memory, model["cutoff_len"], facts["accelerator"], nnodes=facts["nnodes"]
         )
@@ -76,6 +142,7 @@ def _training_args(
     stage: str,
     explicit: Mapping[str, Any],
     settings: Settings,
+    cost: Callable[[Batch], float] | None = None,
 ) -> tuple[dict[str, Any], dict[str, str], Batch, int | None]:
     """The training arguments: defaults < computed (batch, checkpointing, compile) < explicit;
     the decisions, the batch and the estimated optimizer steps (None: unknown)."""
@@ -88,18 +155,7 @@ def _training_args(
     else:
         ckpt = explicit.get("disable_gradient_checkpointing")
         batch = choose_batch(
-            memory,
-            stage,
-            BatchRequest(
-                cutoff=int(model["cutoff_len"]),
-                tokens_per_step=int(request["tokens_per_step"]),
-                packing=bool(merged.get("packing", False)),
-                micro=explicit.get("per_device_train_batch_size"),
-                accumulation=explicit.get("gradient_accumulation_steps"),
-                checkpointing=None if ckpt is None else not ckpt,
-                default_micro=int(settings.defaults.get("per_device_train_batch_size", 1)),
-                default_accumulation=int(settings.defaults.get("gradient_accumulation_steps", 1)),
-            ),
+            memory, stage, _batch_request(request, model, explicit, settings), cost
         )
         computed["per_device_train_batch_size"] = batch.micro
         computed["gradient_accumulation_steps"] = batch.accumulation
@@ -112,6 +168,11 @@ def _training_args(
             if ckpt is not None
             else "model shape unknown: no config.json"
             if memory.shape is None
+            else "the cost model predicts recomputing with this micro-batch faster than the "
+            "micro-batches that fit without it"
+            if batch.checkpointing
+            and cost is not None
+            and memory.fits(stage, int(model["cutoff_len"]), checkpointing=False)
             else "the activations would not fit without recomputing them"
             if batch.checkpointing
             else "the micro-batch's activations fit without recomputation"
@@ -193,11 +254,32 @@ def assemble(
         "gpu_memory_gib": gib,
         "cutoff_len": model["cutoff_len"],
     }
-    stage, stage_why, profile, applied = _stage_and_profile(request, model, memory, facts, data)
+    link, link_note = run_link(nodes) if accelerator != "cpu" else (None, "CPU cluster")
+    search = _searched(request, model, memory, facts=facts, settings=data, link=link)
+    stage, stage_why, profile, applied = _stage_and_profile(
+        request, model, memory, facts=facts, settings=data, search=search
+    )
     explicit = {**profile, **(model.get("train_args") or {}), **train_args}
     explicit.pop("cutoff_len", None)  # model.cutoff_len holds it
+    cost = None
+    if search is not None:
+        cost = search.cost_function(memory, stage, int(model["cutoff_len"]), link)
     args, decisions, batch, steps = _training_args(
-        request, model, memory, stage=stage, explicit=explicit, settings=data
+        request, model, memory, stage=stage, explicit=explicit, settings=data, cost=cost
+    )
+    performance, performance_lines = assess(
+        search,
+        memory,
+        Option.of(
+            search, memory, stage=stage, batch=batch, cutoff=int(model["cutoff_len"]), link=link
+        )
+        if search is not None
+        else None,
+        link=link,
+        link_note=link_note,
+        nnodes=len(nodes),
+        nproc=nproc,
+        allow_slow=bool(request.get("allow_slow_scaling")),
     )
     decisions["deepspeed"] = stage_why
     micro = int(args.get("per_device_train_batch_size", 1))
@@ -242,6 +324,7 @@ def assemble(
             }
             for n in nodes
         },
+        "performance": performance,
         "max_restarts": int(request.get("max_restarts") or 0),
         "train_args": args,
         "ranks": dict(ranks),
@@ -262,7 +345,7 @@ def assemble(
             ),
         ),
     }
-    result["summary"] = summary(result, smallest, smallest_host)
+    result["summary"] = summary(result, smallest, smallest_host, performance_lines)
     return result
 
 
@@ -278,6 +361,7 @@ def summary(
     plan: Mapping[str, Any],
     smallest: Mapping[str, Any] | None,
     smallest_host: Mapping[str, Any] | None = None,
+    performance: Sequence[str] = (),
 ) -> list[str]:
     """The lines train.yml shows before it touches a node."""
     model = plan["model"]
@@ -327,6 +411,7 @@ def summary(
             f"provision.yml, or set host_memory_gib); estimated need {plan['host_estimate_gib']} "
             "GiB per node"
         )
+    lines.extend(performance)
     lines.extend(disk_summary(plan["disk"]))
     lines.append(f"Restarts after a failure: at most {plan['max_restarts']}")
     lines.append("Datasets: " + ", ".join(d.get("name", "") for d in plan["datasets"]))

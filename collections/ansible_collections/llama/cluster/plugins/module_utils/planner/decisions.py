@@ -5,7 +5,7 @@ and accumulation, and torch.compile (`choose_stage`, `choose_batch`, `choose_com
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -104,15 +104,38 @@ class Batch:
     need: float | None = None
 
 
-def choose_batch(memory: Memory, stage: str, ask: BatchRequest) -> Batch:
+def choose_batch(
+    memory: Memory,
+    stage: str,
+    ask: BatchRequest,
+    cost: Callable[[Batch], float] | None = None,
+) -> Batch:
     """Micro-batch and accumulation from the tokens per step, and checkpointing from memory.
 
     With packing a micro-batch is rows of cutoff_len tokens: rows = tokens_per_step / cutoff_len
     per GPU per optimizer step (BENCHMARKS.md rule 2), split into the largest micro-batch that
-    fits without gradient checkpointing (rule 3), else the largest that fits with it. Values
-    set by the user, a rule or the catalogue are kept. Without packing the micro-batch and
-    accumulation come from the settings, and checkpointing still follows memory.
+    fits without gradient checkpointing (rule 3), else the largest that fits with it; with a
+    cost model (`cost`: a batch's predicted step time), the fitting split it predicts fastest.
+    Values set by the user, a rule or the catalogue are kept. Without packing the micro-batch
+    and accumulation come from the settings, and checkpointing still follows memory.
     """
+    fitting = batch_options(memory, stage, ask)
+    if cost is None or len(fitting) < 2:
+        return fitting[0]
+    # Per token: a user's accumulation with a smaller micro-batch is fewer tokens per step.
+    best = min(fitting, key=lambda b: cost(b) / (b.micro * b.accumulation))  # first of equals
+    base = best.reason.split("; ")[0]
+    how = "with" if best.checkpointing else "without"
+    return replace(
+        best,
+        reason=f"{base}; {best.micro} per micro-batch {how} gradient checkpointing, the fastest "
+        f"predicted of {len(fitting)} splits that fit",
+    )
+
+
+def batch_options(memory: Memory, stage: str, ask: BatchRequest) -> list[Batch]:
+    """Every split of the tokens per step that fits (choose_batch's order: no checkpointing
+    first, larger micro-batches first); refuses, naming the figures, when none does."""
     options = [ask.checkpointing] if ask.checkpointing is not None else [False, True]
     rows = max(1, _round(ask.tokens_per_step / ask.cutoff))
     if not ask.packing or (ask.micro and ask.accumulation):
@@ -132,18 +155,25 @@ def choose_batch(memory: Memory, stage: str, ask: BatchRequest) -> Batch:
     if memory.shape is None:  # activations unknown: the smallest micro-batch, recomputed
         micro, accumulation = candidates[-1]
         why += "; model shape unknown (no config.json): smallest micro-batch"
-        return Batch(micro, accumulation, options[-1], why, memory.state(stage))
+        return [Batch(micro, accumulation, options[-1], why, memory.state(stage))]
+    fitting: list[Batch] = []
     for checkpointing in options:
+        first = True
         for micro, accumulation in candidates:
             if memory.fits(stage, micro * ask.cutoff, checkpointing):
                 need = memory.need(stage, micro * ask.cutoff, checkpointing)
+                text = why
                 if len(candidates) > 1:
-                    why += (
-                        f"; {micro} per micro-batch, the most that fit "
+                    text += (
+                        f"; {micro} per micro-batch"
+                        + (", the most that fit " if first else " ")
                         + ("with" if checkpointing else "without")
                         + " gradient checkpointing"
                     )
-                return Batch(micro, accumulation, checkpointing, why, need)
+                first = False
+                fitting.append(Batch(micro, accumulation, checkpointing, text, need))
+    if fitting:
+        return fitting
     micro = candidates[-1][0]
     raise PlanError(
         f"The run does not fit the GPUs: deepspeed={stage} with a micro-batch of {micro} x "

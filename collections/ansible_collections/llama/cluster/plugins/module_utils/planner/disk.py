@@ -41,7 +41,7 @@ from typing import Any
 
 from .memory import GIB
 
-DEEPSPEED = ("zero0", "zero2", "zero3", "zero3_offload")
+DEEPSPEED = ("zero0", "zero1", "zero2", "zero3", "zero3_offload")
 # The linear layers of a Qwen2/Llama-style decoder layer, (inputs, outputs): h the hidden size, i
 # the MLP's intermediate size. LoRA adds rank x (inputs + outputs) parameters to each. k_proj and
 # v_proj are counted as wide as h (grouped-query attention makes them narrower): an upper bound.
@@ -99,7 +99,7 @@ def _terms(
         return terms, weights
     if stage not in DEEPSPEED:
         return [*terms, ("AdamW's 2 fp32 moments", 8.0)], weights
-    if stage in ("zero0", "zero2"):
+    if stage in ("zero0", "zero1", "zero2"):
         terms.append(("DeepSpeed's copy of the weights", weights))
     shards = (
         "every rank's" if share == 1 else f"this node's {Fraction(share).limit_denominator()} of"

@@ -10,6 +10,8 @@ Several processes are extrapolated from it by how each stage splits its per-para
 
 - none (DDP): every rank holds everything, plus DDP's fp32 gradient buckets (4 bytes/param);
 - zero2: the bf16 weights stay whole, the rest (fp32 master weights, gradients, AdamW) is split;
+- zero1 (measured as zero2: on one GPU they hold the same): the bf16 weights and gradients stay
+  whole, the fp32 master weights and AdamW are split;
 - zero3: everything per-parameter is split over the world;
 - zero3_offload: nothing per-parameter on the GPU; host memory holds 1/world of the offload.
 
@@ -27,8 +29,8 @@ from . import measured_memory as measured
 
 GIB = 1024**3
 BF16 = 2.0  # bytes of a bf16 weight: what ZeRO-2 keeps whole on every rank
-MEASURED_STAGE = {"none": "none", "zero0": "none", "zero2": "zero2", "zero3": "zero3",
-                  "fsdp": "zero3", "zero3_offload": "zero3_offload"}  # fmt: skip
+MEASURED_STAGE = {"none": "none", "zero0": "none", "zero1": "zero2", "zero2": "zero2",
+                  "zero3": "zero3", "fsdp": "zero3", "zero3_offload": "zero3_offload"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -71,13 +73,16 @@ class Memory:
                 continue
             if MEASURED_STAGE[stage] == "zero3":
                 c[key] = c[key] / world
+            elif stage == "zero1":  # the gradients stay whole beside the weights until the step
+                c[key] = 2 * BF16 + (c[key] - 2 * BF16) / world
             elif MEASURED_STAGE[stage] == "zero2":
                 c[key] = BF16 + (c[key] - BF16) / world
             elif self._kind() == "full":  # DDP's gradient buckets beside every rank's state
                 c[key] = c[key] + float(self.coefficients["ddp_bucket_bytes_per_param"])
         return c
 
-    def _shape(self) -> measured.Shape | None:
+    def measured_shape(self) -> measured.Shape | None:
+        """The shape as measured_memory (and the cost model) read it; None when unknown."""
         if self.shape is None:
             return None
         return measured.Shape(
@@ -102,7 +107,7 @@ class Memory:
     def need(self, stage: str, tokens: int, checkpointing: bool) -> float:
         """Peak bytes one process allocates. While the shape is unknown (no config.json) the
         activations cannot be counted: the state plus unknown_shape_reserve of it stands in."""
-        shape = self._shape()
+        shape = self.measured_shape()
         if shape is None:
             return self.state(stage) * (1 + float(self.coefficients["unknown_shape_reserve"]))
         measured_stage = MEASURED_STAGE[stage]

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .errors import PlanError
+from .links import node_links
 from .schema import AT_LEAST_1, POSITIVE, show
 
 
@@ -15,13 +16,15 @@ def _get(mapping: Any, key: str, default: Any = None) -> Any:  # noqa: ANN401 - 
     return mapping.get(key, default) if isinstance(mapping, Mapping) else default
 
 
-def local_facts(hostvars: Any) -> Mapping[str, Any]:  # noqa: ANN401 - Ansible's hostvars
-    """The node's llama_host local fact (roles/host_facts), from gathering or the fact cache."""
+def local_facts(hostvars: Any, name: str = "llama_host") -> Mapping[str, Any]:  # noqa: ANN401
+    """A local fact of the node (llama_host: roles/host_facts; llama_links: playbooks/check.yml),
+    from gathering or the fact cache; {} when it has none."""
     facts = _get(hostvars, "ansible_local")
     if not isinstance(facts, Mapping):
         gathered = _get(hostvars, "ansible_facts", {}) or {}
         facts = _get(gathered, "local") or _get(gathered, "ansible_local") or {}
-    return _get(facts, "llama_host", {}) or {}
+    found = _get(facts, name, {}) or {}
+    return found if isinstance(found, Mapping) else {}
 
 
 def node_accelerator(hostvars: Any) -> str:  # noqa: ANN401 - Ansible's hostvars
@@ -49,8 +52,8 @@ def hosts_without_gpu_facts(hosts: Sequence[str], hostvars: Any) -> list[str]:  
     ]
 
 
-def _knob(host: str, hostvars: Any, name: str) -> float | None:  # noqa: ANN401 - hostvars
-    """A planning knob (GiB) set for this host in the inventory or for the run with -e."""
+def _knob(host: str, hostvars: Any, name: str, unit: str = "GiB") -> float | None:  # noqa: ANN401
+    """A planning knob (GiB, Gbit/s) set for this host in the inventory or for the run with -e."""
     value = _get(hostvars, name)
     if value in (None, ""):
         return None
@@ -58,8 +61,8 @@ def _knob(host: str, hostvars: Any, name: str) -> float | None:  # noqa: ANN401 
         return float(POSITIVE.coerce(value))
     except (ValueError, TypeError):
         raise PlanError(
-            f"{host}: {name} = {show(value)} must be a number of GiB > 0 (set it per host in the "
-            f"inventory, or for the run with -e {name}=N)"
+            f"{host}: {name} = {show(value)} must be a number of {unit} > 0 (set it per host in "
+            f"the inventory, or for the run with -e {name}=N)"
         ) from None
 
 
@@ -120,7 +123,7 @@ def describe_nodes(
     nprocs: Mapping[str, Any],
 ) -> list[dict[str, Any]]:
     """Every node in rank order: host, rank, accelerator, processes, GPU and host memory and
-    where each figure came from."""
+    where each figure came from, and what it knows of its links (planner/links.py)."""
     nodes = []
     for host, rank in sorted(ranks.items(), key=lambda item: item[1]):
         gib, source = node_gpu_memory(host, hostvars[host])
@@ -135,6 +138,10 @@ def describe_nodes(
                 "memory_source": source,
                 "host_memory_gib": host_gib,
                 "host_memory_source": host_source,
+                "links": node_links(
+                    local_facts(hostvars[host], "llama_links"),
+                    _knob(host, hostvars[host], "link_gbps", "Gbit/s"),
+                ),
             }
         )
     return nodes

@@ -14,7 +14,7 @@ def train_yaml(
     plan: Mapping[str, Any],
     run_dir: str,
     shared_storage: bool = False,
-    deepspeed_stages: Sequence[str] = ("zero0", "zero2", "zero3", "zero3_offload"),
+    deepspeed_stages: Sequence[str] = ("zero0", "zero1", "zero2", "zero3", "zero3_offload"),
 ) -> dict[str, Any]:
     """What train.yaml holds: the plan's training arguments plus the model, data and paths."""
     model = plan["model"]

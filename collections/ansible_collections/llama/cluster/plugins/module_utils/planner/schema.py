@@ -14,7 +14,7 @@ from .errors import CATALOGUE_FILE, TRAINING_FILE, PlanError
 FINETUNING_TYPES = ("lora", "freeze", "full")
 # What -e deepspeed may name besides auto: plain DDP, the DeepSpeed stages roles/run_config renders
 # a ds_config.json for (its vars/main.yml), and FSDP.
-DEEPSPEED_STAGES = ("none", "zero0", "zero2", "zero3", "zero3_offload", "fsdp")
+DEEPSPEED_STAGES = ("none", "zero0", "zero1", "zero2", "zero3", "zero3_offload", "fsdp")
 LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target")
 
 
@@ -166,6 +166,7 @@ RUN_SCHEMA: dict[str, tuple[Number | Flag, str, Any]] = {
     "model_params_b": (POSITIVE, "-e model_params_b (billions of parameters)", None),
     "dataset_records": (AT_LEAST_0, "run_config_dataset_records", None),
     "trust_remote_code": (Flag(), "-e trust_remote_code", False),
+    "allow_slow_scaling": (Flag(), "-e allow_slow_scaling", False),
 }
 
 

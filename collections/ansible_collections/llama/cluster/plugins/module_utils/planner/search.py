@@ -1,0 +1,447 @@
+"""The search: every candidate (DeepSpeed stage, checkpointing, micro-batch and accumulation
+within the user's tokens per step) that fits the memory model's GPU and host budgets, ranked by
+the cost model's predicted step time (`ranked`); the predicted scaling over 1..N nodes
+(`scaling`); and the go/no-go that refuses a run whose nodes would scale backwards or below
+MIN_EFFICIENCY of linear (`go_no_go`).
+
+The tokens per optimizer step are the user's: every candidate splits the same rows per process
+into micro-batch x accumulation, and candidates are ranked by seconds per token.
+
+Not candidates: FSDP (never chosen, only run when asked: its cost is planned as ZeRO-3's), and
+HSDP or ZeRO++ hpZ (shards inside a node, replicas across nodes), which LLaMA-Factory 0.9.5 was
+not shown to run here (no lab run of either; DeepSpeed's ZeRO needs a GPU or oneCCL, not gloo).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from .cost import Link, Setup, StepCost, mfu, step_cost
+from .decisions import Batch, BatchRequest, batch_options
+from .errors import PlanError
+from .links import CHECK
+from .measured_memory import Shape
+from .memory import Memory, gib_text
+
+# The stages the search tries, by fine-tuning type. ZeRO-1 and ZeRO-2 split nothing that a LoRA
+# run holds much of (its optimizer state is the adapter's), so LoRA skips them.
+SEARCH_STAGES = {
+    "full": ("none", "zero1", "zero2", "zero3", "zero3_offload"),
+    "lora": ("none", "zero3", "zero3_offload"),
+    "freeze": ("none", "zero3", "zero3_offload"),
+}
+MIN_EFFICIENCY = 0.6  # of linear scaling, below which train.yml refuses (issue 22)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One candidate that fits, with its predicted step."""
+
+    stage: str
+    batch: Batch
+    cost: StepCost
+    setup: Setup
+
+    @classmethod
+    def of(
+        cls,
+        search: Search,
+        memory: Memory,
+        *,
+        stage: str,
+        batch: Batch,
+        cutoff: int,
+        link: Link | None,
+    ) -> Option:
+        """The plan chosen, as a candidate with its predicted step."""
+        how = setup(memory, stage, batch, cutoff, search.rank)
+        return cls(stage, batch, step_cost(search.shape, how, world=memory.world, link=link), how)
+
+    def label(self) -> str:
+        """deepspeed=zero2, 4 x 2 rows, checkpointing off."""
+        return (
+            f"deepspeed={self.stage}, micro-batch {self.batch.micro} x accumulation "
+            f"{self.batch.accumulation}, checkpointing "
+            + ("on" if self.batch.checkpointing else "off")
+        )
+
+    def timing(self) -> str:
+        """0.52 s per step (compute 0.40 s, communication 0.12 s)."""
+        comm = self.cost.communication
+        return (
+            f"{self.cost.total:.3g} s per optimizer step (compute {self.cost.compute:.3g} s, "
+            + ("communication not counted" if comm is None else f"communication {comm:.3g} s")
+            + ")"
+        )
+
+
+@dataclass(frozen=True)
+class Search:
+    """What the search tried: each stage's batch request, the model's shape, the LoRA rank, the
+    candidates that fit (fastest first) and the stages that did not fit."""
+
+    asks: Mapping[str, BatchRequest]
+    shape: Shape
+    rank: int
+    options: list[Option]
+    skipped: list[str]
+
+    def cost_function(
+        self, memory: Memory, stage: str, cutoff: int, link: Link | None
+    ) -> Callable[[Batch], float]:
+        """A batch's predicted step time under `stage` (choose_batch ranks by it)."""
+
+        def seconds(batch: Batch) -> float:
+            how = setup(memory, stage, batch, cutoff, self.rank)
+            return step_cost(self.shape, how, world=memory.world, link=link).total
+
+        return seconds
+
+
+def setup(memory: Memory, stage: str, batch: Batch, cutoff: int, lora_rank: int) -> Setup:
+    """What the cost model reads of a candidate."""
+    return Setup(
+        finetuning="full" if memory.finetuning == "full" else "lora",
+        stage=stage,
+        checkpointing=batch.checkpointing,
+        micro_tokens=batch.micro * cutoff,
+        accumulation=batch.accumulation,
+        lora_rank=lora_rank,
+    )
+
+
+def ranked(
+    memory: Memory,
+    asks: Mapping[str, BatchRequest],
+    shape: Shape,
+    link: Link | None,
+    lora_rank: int,
+) -> tuple[list[Option], list[str]]:
+    """Every candidate of the stages in `asks` (stage -> its batch request) that fits both
+    budgets, fastest first (the stage order of `asks` among equals), and why each stage left
+    out did not fit."""
+    options, skipped = [], []
+    for stage, ask in asks.items():
+        if not memory.host_fits(stage):
+            skipped.append(f"{stage} ({gib_text(memory.host_need(stage))} of host memory)")
+            continue
+        try:
+            batches = batch_options(memory, stage, ask)
+        except PlanError:
+            need = memory.need(stage, ask.cutoff, checkpointing=True)
+            skipped.append(f"{stage} ({gib_text(need)} of GPU memory)")
+            continue
+        for batch in batches:
+            how = setup(memory, stage, batch, ask.cutoff, lora_rank)
+            cost = step_cost(shape, how, world=memory.world, link=link)
+            options.append(Option(stage, batch, cost, how))
+    options.sort(key=lambda o: o.cost.total / o.cost.tokens)
+    return options, skipped
+
+
+def runner_up(options: list[Option]) -> Option | None:
+    """The best candidate of another stage than the winner's, else the second best."""
+    others = [o for o in options[1:] if o.stage != options[0].stage]
+    return others[0] if others else (options[1] if len(options) > 1 else None)
+
+
+def why_lost(winner: Option, other: Option) -> str:
+    """The runner-up's figures against the winner's."""
+    slower = other.cost.total / winner.cost.total - 1
+    parts = []
+    if abs(other.cost.compute - winner.cost.compute) >= 0.01 * winner.cost.total:
+        parts.append(f"compute {other.cost.compute:.3g} s against {winner.cost.compute:.3g} s")
+    wc, oc = winner.cost.communication, other.cost.communication
+    if wc is not None and oc is not None and abs(oc - wc) >= 0.01 * winner.cost.total:
+        parts.append(
+            f"communication {oc:.3g} s against {wc:.3g} s ({other.cost.traffic.what}: "
+            f"{other.cost.traffic.wire_bytes / 1e9:.3g} GB per step)"
+        )
+    return f"{slower:.0%} slower per step" + (": " + "; ".join(parts) if parts else "")
+
+
+@dataclass(frozen=True)
+class Scale:
+    """The best candidate on `nodes` nodes like the smallest one, and its predicted figures."""
+
+    nodes: int
+    option: Option | None
+    tokens_per_s: float | None
+    efficiency: float | None = None  # of linear scaling
+
+
+def scaling(
+    memory: Memory,
+    asks: Mapping[str, BatchRequest],
+    shape: Shape,
+    link: Link | None,
+    lora_rank: int,
+    *,
+    nnodes: int,
+    nproc: int,
+) -> list[Scale]:
+    """The best plan's predicted tokens/s on 1..nnodes nodes, and its share of linear scaling
+    from the fewest nodes it fits on (there: compute over compute plus communication)."""
+    scales = []
+    for k in range(1, nnodes + 1):
+        world = k * nproc
+        options, _ = ranked(
+            replace(memory, world=world), asks, shape, link if k > 1 else None, lora_rank
+        )
+        best = options[0] if options else None
+        tps = best.cost.tokens_per_second(world) if best else None
+        scales.append(Scale(k, best, tps))
+    fits = [s for s in scales if s.tokens_per_s]
+    if not fits:
+        return scales
+    base = fits[0]
+    out = []
+    for s in scales:
+        if s.option is None or s.tokens_per_s is None or base.tokens_per_s is None:
+            out.append(s)
+        elif s.nodes == base.nodes:
+            out.append(replace(s, efficiency=s.option.cost.compute / s.option.cost.total))
+        else:
+            linear = base.tokens_per_s * s.nodes / base.nodes
+            out.append(replace(s, efficiency=s.tokens_per_s / linear))
+    return out
+
+
+def scaling_line(scales: list[Scale]) -> str:
+    """1 node 30,000 tokens/s; 2 nodes 55,000 (92 % of linear); ..."""
+    parts = []
+    for s in scales:
+        noun = "node" if s.nodes == 1 else "nodes"
+        if s.tokens_per_s is None:
+            parts.append(f"{s.nodes} {noun}: does not fit")
+            continue
+        eff = f" ({s.efficiency:.0%} of linear)" if s.efficiency is not None else ""
+        parts.append(f"{s.nodes} {noun} {s.tokens_per_s:,.0f} tokens/s{eff}")
+    return "; ".join(parts)
+
+
+def go_no_go(scales: list[Scale]) -> str | None:
+    """Why the run's node count would not pay (slower than fewer nodes, or below
+    MIN_EFFICIENCY of linear), or None when it does."""
+    last = scales[-1]
+    if last.nodes < 2 or last.tokens_per_s is None or last.option is None:
+        return None
+    faster = [s for s in scales[:-1] if s.tokens_per_s and s.tokens_per_s > last.tokens_per_s]
+    if faster:
+        best = max(faster, key=lambda s: s.tokens_per_s or 0.0)
+        return (
+            f"{last.nodes} nodes would train slower than {best.nodes}: "
+            f"{last.tokens_per_s:,.0f} against {best.tokens_per_s:,.0f} tokens/s predicted"
+        )
+    if last.efficiency is not None and last.efficiency < MIN_EFFICIENCY:
+        return (
+            f"{last.nodes} nodes would reach {last.efficiency:.0%} of linear scaling "
+            f"({last.tokens_per_s:,.0f} tokens/s predicted), below {MIN_EFFICIENCY:.0%}"
+        )
+    return None
+
+
+def needed_gbps(
+    option: Option, shape: Shape, link: Link, world: int, seconds: float
+) -> float | None:
+    """The link (Gbit/s) on which `option`'s step would take at most `seconds`, or None when
+    its compute and the fixed costs (latency, the per-step overhead) alone take longer."""
+    fast = replace(link, bandwidth=1e18)
+    floor = step_cost(shape, option.setup, world=world, link=fast).communication or 0.0
+    budget = seconds - option.cost.compute - floor
+    if budget <= 0:
+        return None
+    return option.cost.traffic.wire_bytes / budget * 8 / 1e9
+
+
+def option_mfu(option: Option, shape: Shape, finetuning: str) -> float:
+    """The option's predicted MFU (989 TFLOP/s)."""
+    return mfu(option.cost, shape, finetuning)
+
+
+def assess(
+    search: Search | None,
+    memory: Memory,
+    chosen: Option | None,
+    *,
+    link: Link | None,
+    link_note: str,
+    nnodes: int,
+    nproc: int,
+    allow_slow: bool,
+) -> tuple[dict[str, Any], list[str]]:
+    """The plan's predicted performance and the lines that show it; raises PlanError (the
+    go/no-go) when the nodes would not pay, unless allow_slow."""
+    if search is None or chosen is None:
+        why = "CPU cluster" if memory.budget is None else "the model's shape is unknown"
+        return {"predicted": False}, [
+            f"Predicted speed: not predicted ({why}: the cost model was measured on GPUs, "
+            "for models with a config.json)"
+        ]
+    finetuning = memory.finetuning
+    world = memory.world
+    lines = [
+        f"Predicted (planner/cost.py, fitted on one H200): {chosen.label()}: {chosen.timing()}, "
+        f"{chosen.cost.tokens_per_second(world):,.0f} tokens/s, MFU "
+        f"{option_mfu(chosen, search.shape, finetuning):.0%}"
+    ]
+    others = [
+        o
+        for o in search.options
+        if (o.stage, o.batch.micro, o.batch.checkpointing)
+        != (chosen.stage, chosen.batch.micro, chosen.batch.checkpointing)
+    ]
+    other = runner_up([chosen, *others]) if others else None
+    lines.append(
+        f"Runner-up: {other.label()}: {why_lost(chosen, other)}"
+        if other is not None
+        else "Runner-up: none (no other candidate fits)"
+    )
+    result: dict[str, Any] = {
+        "predicted": True,
+        "step_s": round(chosen.cost.total, 4),
+        "tokens_per_s": round(chosen.cost.tokens_per_second(world)),
+        "runner_up": other.label() if other else None,
+        "link_gbps": round(link.bandwidth * 8 / 1e9, 3) if link else None,
+        "link_source": link.source if link else link_note,
+        "scaling": [],
+    }
+    if nnodes < 2:
+        return result, lines
+    if link is None:
+        lines.append(
+            f"Link between nodes: not measured ({link_note}). Communication is not counted and "
+            f"the go/no-go is not decided: run {CHECK} first, or set -e link_gbps=N"
+        )
+        return result, lines
+    lines.append(f"Link between nodes: {link.bandwidth * 8 / 1e9:g} Gbit/s ({link.source})")
+    scales = scaling(
+        memory, search.asks, search.shape, link, search.rank, nnodes=nnodes, nproc=nproc
+    )
+    scales[-1] = replace(
+        scales[-1],
+        option=chosen,
+        tokens_per_s=chosen.cost.tokens_per_second(world),
+        efficiency=_efficiency(scales, chosen, world),
+    )
+    result["scaling"] = [
+        {"nodes": s.nodes, "tokens_per_s": round(s.tokens_per_s) if s.tokens_per_s else None,
+         "efficiency": round(s.efficiency, 3) if s.efficiency is not None else None}
+        for s in scales
+    ]  # fmt: skip
+    lines.append("Scaling (predicted, per added node): " + scaling_line(scales))
+    refusal = go_no_go(scales)
+    if refusal is None:
+        return result, lines
+    if allow_slow:
+        lines.append(f"Scaling: {refusal}; training anyway (-e allow_slow_scaling=true)")
+        return result, lines
+    raise PlanError(
+        f"Refused before launch: {refusal} (link {link.bandwidth * 8 / 1e9:g} Gbit/s, "
+        f"{link.source}; plan {chosen.label()}: {chosen.timing()}). Ways out: "
+        + "; or ".join(
+            _ways_out(search, memory, chosen, scales=scales, link=link, nnodes=nnodes, nproc=nproc)
+        )
+        + ". Or train anyway with -e allow_slow_scaling=true. Nothing was changed on any node."
+    )
+
+
+def _efficiency(scales: list[Scale], chosen: Option, world: int) -> float:
+    """The chosen plan's share of linear scaling against the fewest nodes any plan fits."""
+    fits = [s for s in scales[:-1] if s.tokens_per_s]
+    if not fits or fits[0].tokens_per_s is None:
+        return chosen.cost.compute / chosen.cost.total
+    base = fits[0]
+    linear = base.tokens_per_s * scales[-1].nodes / base.nodes
+    return chosen.cost.tokens_per_second(world) / linear
+
+
+def _ways_out(
+    search: Search,
+    memory: Memory,
+    chosen: Option,
+    *,
+    scales: list[Scale],
+    link: Link,
+    nnodes: int,
+    nproc: int,
+) -> list[str]:
+    """What would pay, with its predicted figures: fewer nodes, LoRA, more accumulation, a
+    faster link."""
+    ways = []
+    fewer = [s for s in scales[:-1] if s.tokens_per_s]
+    if fewer:
+        best = max(fewer, key=lambda s: s.tokens_per_s or 0.0)
+        ways.append(
+            f"fewer nodes: {best.nodes} (--limit or the cluster group) at "
+            f"{best.tokens_per_s:,.0f} tokens/s"
+        )
+    if memory.finetuning == "full" and "none" in search.asks:
+        lora = replace(memory, finetuning="lora")
+        asks = {s: search.asks["none"] for s in SEARCH_STAGES["lora"]}
+        verdict = _verdict(lora, asks, search, link=link, nnodes=nnodes, nproc=nproc)
+        if verdict:
+            ways.append(f"LoRA (-e finetuning_type=lora): {verdict}")
+    ask = next(iter(search.asks.values()))
+    fixed = bool(ask.micro and ask.accumulation) or not ask.packing
+    for times in (2, 4, 8, 16, 32, 64, 128):
+        if fixed:  # the split is set: more micro-batches of the same size
+            more = {s: replace(a, accumulation=(a.accumulation or 1) * times) for s, a in
+                    search.asks.items()}  # fmt: skip
+            how = (
+                f'-e \'{{"train_args": {{"gradient_accumulation_steps": '
+                f"{(ask.accumulation or 1) * times}}}}}'"
+            )
+        else:
+            more = {s: replace(a, tokens_per_step=a.tokens_per_step * times) for s, a in
+                    search.asks.items()}  # fmt: skip
+            how = f"-e tokens_per_step={ask.tokens_per_step * times}"
+        verdict = _verdict(
+            memory, more, search, link=link, nnodes=nnodes, nproc=nproc, need_pass=True
+        )
+        if verdict:
+            ways.append(
+                f"more accumulation: {how} ({times} x the tokens per optimizer step, a larger "
+                f"batch: {verdict})"
+            )
+            break
+    # The step time at which these nodes pay: MIN_EFFICIENCY of linear, and faster than fewer.
+    fewest = next((s for s in scales if s.tokens_per_s), None)
+    tokens = chosen.cost.tokens * memory.world
+    if fewest is not None and fewest.tokens_per_s:
+        rates = [MIN_EFFICIENCY * fewest.tokens_per_s * nnodes / fewest.nodes]
+        rates += [s.tokens_per_s for s in scales[:-1] if s.tokens_per_s]
+        seconds = (
+            chosen.cost.compute / MIN_EFFICIENCY
+            if fewest.nodes == nnodes  # only this many nodes fit: against its own compute
+            else tokens / max(rates)
+        )
+        gbps = needed_gbps(chosen, search.shape, link, memory.world, seconds)
+        ways.append(
+            f"a faster link: at least {gbps:,.3g} Gbit/s for this plan"
+            if gbps is not None
+            else "no faster link: this plan's compute alone is slower than fewer nodes"
+        )
+    return ways or ["none predicted to pay on this link"]
+
+
+def _verdict(
+    memory: Memory,
+    asks: Mapping[str, BatchRequest],
+    search: Search,
+    *,
+    link: Link,
+    nnodes: int,
+    nproc: int,
+    need_pass: bool = False,
+) -> str:
+    """'87 % of linear, 12,000 tokens/s' for that variant on nnodes nodes ('' if nothing fits,
+    or if need_pass and it would still be refused)."""
+    scales = scaling(memory, asks, search.shape, link, search.rank, nnodes=nnodes, nproc=nproc)
+    last = scales[-1]
+    if last.tokens_per_s is None or (need_pass and go_no_go(scales)):
+        return ""
+    eff = f"{last.efficiency:.0%} of linear, " if last.efficiency is not None else ""
+    return f"{eff}{last.tokens_per_s:,.0f} tokens/s predicted"
