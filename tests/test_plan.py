@@ -128,9 +128,11 @@ def test_unchanged_results_and_read_only_probes_add_nothing():
 
 def test_firewall_sysctl_accounts_files_and_services_by_module():
     ufw = result(commands=["ufw allow 2222/tcp comment 'llama-cluster ssh'", "ufw --force enable"])
-    assert texts(classify("llama.cluster.llama_ufw", {}, ufw, True)) == [
+    rollback = {"rollback_dir": "/var/lib/llama-cluster/firewall-rollback", "state": "enabled"}
+    assert texts(classify("llama.cluster.llama_ufw", rollback, ufw, True)) == [
         "firewall: ufw allow 2222/tcp comment 'llama-cluster ssh'",
         "firewall: ufw --force enable",
+        "files: /var/lib/llama-cluster/firewall-rollback (ufw's state saved for a rollback)",
     ]
     sysctl = {"name": "net.ipv4.ip_local_port_range", "value": "50000 51000", "state": "present"}
     assert texts(classify("ansible.posix.sysctl", sysctl, result(), True)) == [

@@ -139,7 +139,7 @@ def grouped(texts: list[str], width: int = 100) -> list[str]:
     for text in texts:
         source, _, package = text.partition(": ")
         if " " in package.strip("+- "):  # what an install asks for, not one package: a line
-            lines.append(text)
+            lines += textwrap.wrap(text, width=width, break_on_hyphens=False)
         else:
             sources.setdefault(source, []).append(package)
     for source, packages in sources.items():

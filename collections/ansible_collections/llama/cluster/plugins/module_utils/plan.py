@@ -169,6 +169,15 @@ def classify(
     return [Item("commands", f"{action} {result.get('msg', '') or ''}".strip())]
 
 
+def ufw_items(args: Mapping[str, Any], result: Mapping[str, Any]) -> list[Item]:
+    """ufw's commands, and the copy of ufw's state that llama_ufw keeps for a rollback."""
+    commands = [str(c) for c in result.get("commands") or []]
+    items = [Item("firewall", c) for c in commands]
+    if commands and args.get("rollback_dir") and args.get("state") != "rolled_back":
+        items.append(Item("files", f"{args['rollback_dir']} (ufw's state saved for a rollback)"))
+    return items
+
+
 def service_items(_name: str, args: Mapping[str, Any], _result: Mapping[str, Any]) -> list[Item]:
     """A service started, restarted, enabled or reloaded."""
     state = args.get("state") or ("enabled" if args.get("enabled") else "reloaded")
@@ -176,7 +185,7 @@ def service_items(_name: str, args: Mapping[str, Any], _result: Mapping[str, Any
 
 
 SIMPLE = {
-    "llama_ufw": lambda _n, _a, r: [Item("firewall", str(c)) for c in r.get("commands") or []],
+    "llama_ufw": lambda _n, a, r: ufw_items(a, r),
     "sysctl": lambda _n, a, _r: [
         Item("sysctls", f"{a.get('name')} = {a.get('value')} ({a.get('state')})")
     ],
