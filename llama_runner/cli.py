@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import getpass
 import json
 import logging
 import signal
+import sys
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -36,6 +38,7 @@ from llama_runner.errors import (
 )
 from llama_runner.events import failure_message
 from llama_runner.results import Event, RunResult, RunStatus, TrainProgress, TrainSummary
+from llama_runner.secrets import holds_secret
 
 DESCRIPTION = "llama-cluster's playbooks as commands: a live view of each run, a report at its end."
 EPILOG = "exit codes: 0 ok, 1 playbook failed, 2 bad input, 3 host unreachable, 130 interrupted"
@@ -301,13 +304,51 @@ def _report_result(console: Console, result: RunResult, *, as_json: bool) -> Non
 # Commands
 # --------------------------------------------------------------------------------------------
 def _parse_assignments(pairs: Iterable[str]) -> dict[str, Any]:
-    """KEY=VALUE pairs as extra variables; values are YAML (numbers, booleans, lists)."""
+    """KEY=VALUE pairs as extra variables; values are YAML (numbers, booleans, lists).
+
+    A secret (a name or key that holds_secret recognises) is refused: this command's own argv is
+    in every user's process list and in the shell's history.
+    """
     values: dict[str, Any] = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key.isidentifier():
             raise InvalidInput(f"expected KEY=VALUE, got {pair!r}")
-        values[key] = yaml.safe_load(raw) if raw else ""
+        value = yaml.safe_load(raw) if raw else ""
+        if holds_secret(key, value):
+            raise InvalidInput(
+                f"-e {key}=... would put a secret on this command's own command line, which every "
+                "user of this machine sees in the process list (and your shell keeps in its "
+                f"history). Pass it another way: --secret {key} (asked without echo, or read from "
+                f"stdin), --secrets-file FILE (YAML, {key}: ...), or the environment "
+                "(HF_TOKEN, WANDB_API_KEY, LLAMA_SERVE_API_KEY: read by the project's defaults)."
+            )
+        values[key] = value
+    return values
+
+
+def _read_secrets(names: Iterable[str], files: Iterable[str]) -> dict[str, Any]:
+    """Secret extra variables from files (YAML mappings) and from prompts (--secret NAME)."""
+    values: dict[str, Any] = {}
+    for name in files:
+        path = Path(name)
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError) as exc:
+            raise InvalidInput(f"--secrets-file {path}: cannot read it as YAML ({exc})") from exc
+        if not isinstance(loaded, dict) or not all(isinstance(k, str) for k in loaded):
+            raise InvalidInput(f"--secrets-file {path}: expected a YAML mapping, name: value")
+        values.update(loaded)
+    for name in names:
+        if not name.isidentifier():
+            raise InvalidInput(f"--secret expects a variable name, got {name!r}")
+        # A terminal is asked without echo; a pipe (printf ... | train_runner.py) gives one line.
+        if sys.stdin.isatty():
+            values[name] = getpass.getpass(f"{name}: ")
+        else:
+            values[name] = sys.stdin.readline().rstrip("\n")
+        if not values[name]:
+            raise InvalidInput(f"--secret {name}: nothing was entered")
     return values
 
 
@@ -326,8 +367,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     extra = argparse.ArgumentParser(add_help=False)
     extra.add_argument(
-        "-e", "--set", dest="extravars", action="append", default=[], metavar="KEY=VALUE",
-        help="an extra variable (repeatable; the value is YAML)",
+        "-e",
+        "--set",
+        dest="extravars",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an extra variable (repeatable; the value is YAML; no secrets: see --secret)",
+    )
+    extra.add_argument(
+        "--secret",
+        dest="secrets",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a secret extra variable (e.g. hf_token), asked without echo (or read from stdin)",
+    )
+    extra.add_argument(
+        "--secrets-file", dest="secrets_files", action="append", default=[], metavar="FILE",
+        help="secret extra variables from a YAML file (name: value), e.g. a 0600 file",
     )  # fmt: skip
     run_id = argparse.ArgumentParser(add_help=False)
     run_id.add_argument("--run-id", help="the run (default: the latest)")
@@ -355,6 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _dispatch(cluster: Cluster, args: argparse.Namespace) -> RunResult:
     extravars = _parse_assignments(getattr(args, "extravars", []))
+    extravars |= _read_secrets(getattr(args, "secrets", []), getattr(args, "secrets_files", []))
     calls: Mapping[str, Callable[[], RunResult]] = {
         "lab": lambda: cluster.lab(nodes=args.nodes, state=args.state),
         "provision": lambda: cluster.provision(**extravars),

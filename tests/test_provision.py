@@ -563,6 +563,15 @@ def test_installer_changed_reads_what_uv_and_pip_report():
     assert not env_filters.installer_changed({"stdout": "Requirement already satisfied: a"}, "pip")
 
 
+def test_the_plan_s_dry_run_argv_and_what_it_says_would_change():
+    spec = {"installer": "uv", "env_bin": "/e/bin", "constraints": "/c", "wheelhouse": "/w"}
+    argv = env_filters.install_argv(["a==1"], {**spec, "dry_run": True})
+    assert argv[-2:] == ["--dry-run", "a==1"]
+    assert env_filters.installer_changed({"stderr": "Would install 2 packages\n + a==1"}, "uv")
+    assert not env_filters.installer_changed({"stderr": "Would make no changes"}, "uv")
+    assert env_filters.installer_changed({"stdout": "Would install a-1"}, "pip")
+
+
 def test_a_python_312_cluster_wants_the_cp312_wheel_set(mixed_lab: Lab):
     wheelhouse = mixed_lab.root / "cache" / "wheelhouse" / "cp312-pypi"
     proc = preflight(mixed_lab, "--limit", "ubuntu2404", "-e", '{"wheelhouse_download": false}')

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ from ansible_collections.llama.cluster.plugins.lookup.secret_env import secret_e
 
 from llama_runner import Cluster, InvalidInput
 from llama_runner.api import PROJECT_DIR
+from llama_runner.errors import EXIT_INVALID_INPUT
 from llama_runner.secrets import (
     ENV_VARIABLE,
     SecretsFile,
@@ -240,3 +243,75 @@ def test_api_train_keeps_the_hf_token_from_a_mirror_and_out_of_artifacts(
     assert "hf_token is set but not sent to http://127.0.0.1:9" in stdout
     assert "Train | Prepare every node" not in stdout
     assert _files_holding(runner_dir, FAKE_HF, FAKE_KEY) == []
+
+
+# --------------------------------------------------------------------------------------------
+# The command line (train_runner.py)
+# --------------------------------------------------------------------------------------------
+def _cli(*args: str, stdin: str = "", env: dict[str, str] | None = None) -> tuple[int, str, list]:
+    """train_runner.py with these arguments: its exit code, its output, and every command line
+    that held a fake secret while it ran (read from /proc every 50 ms)."""
+    process = subprocess.Popen(
+        [sys.executable, str(PROJECT_DIR / "train_runner.py"), *args],
+        cwd=PROJECT_DIR, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, env=env,
+    )  # fmt: skip
+    assert process.stdin is not None
+    process.stdin.write(stdin)
+    process.stdin.close()
+    seen: list[str] = []
+    while process.poll() is None:
+        seen += [
+            line[:120]
+            for line in _command_lines()
+            if any(fake in line for fake in (FAKE_HF, FAKE_KEY, FAKE_WANDB))
+        ]
+        time.sleep(0.05)
+    assert process.stdout is not None
+    return process.returncode, process.stdout.read(), seen
+
+
+def test_cli_refuses_a_secret_in_its_own_argv_naming_the_ways_that_work(tmp_path: Path):
+    code, out, _ = _cli(
+        "--private-data-dir", str(tmp_path / "runner"), "run", "x.yml", "-e", "hf_token=abc"
+    )
+    said = " ".join(out.split())
+    assert code == EXIT_INVALID_INPUT
+    assert "-e hf_token=... would put a secret on this command's own command line" in said
+    assert "--secret hf_token" in said
+    assert "--secrets-file FILE" in said
+    assert "HF_TOKEN" in said
+    # A mapping with a secret key inside is refused as well.
+    code, out, _ = _cli("run", "x.yml", "-e", "tracking_secrets={WANDB_API_KEY: k}")
+    assert code == EXIT_INVALID_INPUT
+
+
+def test_cli_takes_secrets_from_stdin_a_file_and_the_environment_never_from_argv(
+    tmp_path: Path,
+):
+    playbook = tmp_path / "secrets.yml"
+    playbook.write_text(PLAYBOOK)
+    received = tmp_path / "received"
+    runner_dir = tmp_path / "runner"
+    secrets_file = tmp_path / "secrets.yml.private"
+    secrets_file.write_text(f"tracking_secrets:\n  WANDB_API_KEY: {FAKE_WANDB}\n")
+    secrets_file.chmod(0o600)
+    inventory = tmp_path / "local.yml"
+    inventory.write_text(
+        "all:\n  hosts:\n    localhost:\n      ansible_connection: local\n"
+        '      ansible_python_interpreter: "{{ ansible_playbook_python }}"\n'
+    )
+    env = dict(os.environ, HF_TOKEN=FAKE_HF)
+    code, out, seen = _cli(
+        "--private-data-dir", str(runner_dir), "--inventory", str(inventory),
+        "run", str(playbook), "-e", f"received={received}",
+        "--secret", "serve_api_key", "--secrets-file", str(secrets_file),
+        stdin=f"{FAKE_KEY}\n", env=env,
+    )  # fmt: skip
+    assert code == 0, out
+    assert received.read_text() == f"{FAKE_HF} {FAKE_KEY} {FAKE_WANDB}"
+    assert seen == []
+    assert _files_holding(runner_dir, FAKE_HF, FAKE_KEY, FAKE_WANDB) == []
+    assert FAKE_HF not in out
+    assert FAKE_KEY not in out
+    assert FAKE_WANDB not in out

@@ -1,14 +1,17 @@
 """Verify the in_use scenario: a server in use keeps its SSH, its rules, its service, its sysctl.
 
-Runs under `molecule verify -s in_use` after converge and idempotence. The nodes are inspected
-with the docker connection; the playbooks below reach them as a real controller does, over SSH on
-port 2222 with the key prepare.yml made.
+Runs under `molecule verify -s in_use` after the plan (plan.yml), converge and idempotence. The
+plan's tests come first: the later tests change the nodes. The nodes are inspected with the docker
+connection; the playbooks below reach them as a real controller does, over SSH on port 2222 with
+the key prepare.yml made.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shlex
 import subprocess
 import urllib.request
 from pathlib import Path
@@ -95,6 +98,88 @@ def said(result: subprocess.CompletedProcess[str]) -> str:
 
 def added(name: str) -> list[str]:
     return node(name).check_output("ufw show added").splitlines()[1:]
+
+
+Snapshot = dict[str, set[str]]
+
+
+def snapshot(text: str) -> Snapshot:
+    """snapshot.sh's output as {section: lines}."""
+    sections: Snapshot = {}
+    current = ""
+    for line in text.splitlines():
+        if line.startswith("== "):
+            current = line[3:]
+            sections[current] = set()
+        elif current:
+            sections[current].add(line)
+    return sections
+
+
+def recorded(phase: str, name: str) -> Snapshot:
+    return snapshot((ephemeral() / "plan" / f"{phase}-{name}.txt").read_text())
+
+
+def now(name: str) -> Snapshot:
+    script = (PROJECT / "molecule/in_use/snapshot.sh").read_text()
+    return snapshot(node(name).check_output(f"bash -c {shlex.quote(script)}"))
+
+
+def runs() -> list[dict]:
+    """The plan log's lines of converge.yml: the plan, then converge and idempotence."""
+    lines = (ephemeral() / "plan" / "plan.jsonl").read_text().splitlines()
+    return [run for run in map(json.loads, lines) if run["playbook"] == "converge.yml"]
+
+
+def paths(lines: set[str]) -> set[str]:
+    return {line.split(" ", 1)[0] for line in lines}
+
+
+def covers(named: str, path: str) -> bool:
+    """Whether a path the plan named accounts for this one (itself, below it, or its parent)."""
+    return path == named or path.startswith(named + "/") or named.startswith(path + "/")
+
+
+def test_the_plan_changes_nothing_on_the_nodes() -> None:
+    for name in (NODE1, NODE2):
+        assert recorded("before", name) == recorded("planned", name), name
+
+
+def test_the_plan_lists_what_the_real_run_then_did_category_by_category() -> None:
+    plan, converge, idempotence = runs()[:3]
+    assert [plan["check"], converge["check"], idempotence["check"]] == [True, False, False]
+    assert plan["hosts"] == converge["hosts"]
+    assert not any(idempotence["hosts"].values()), idempotence["hosts"]
+    for name in (NODE1, NODE2):
+        listed = plan["hosts"][name]
+        before, after = recorded("before", name), now(name)
+        # Files: every path that appeared or changed is one the plan named, inside one, or a
+        # parent directory made for one.
+        changed = paths(after["files"] - before["files"])
+        named = {text.split(" ", 1)[0].rstrip("/") for text in listed.get("files", [])}
+        unnamed = {path for path in changed if not any(covers(n, path) for n in named)}
+        assert not unnamed, (name, unnamed)
+        # ufw: one rule added for each rule command the plan listed, none removed.
+        rules = [c for c in listed.get("firewall", []) if c.startswith("ufw allow")]
+        new_rules = {r for r in after["ufw"] - before["ufw"] if r.startswith("ufw allow")}
+        assert len(new_rules) == len(rules), (name, new_rules, rules)
+        assert not {r for r in before["ufw"] - after["ufw"] if r.startswith("ufw allow")}
+        # What the plan did not list did not change.
+        for section, category in (("packages", "packages"), ("sysctls", "sysctls"),
+                                  ("users", "users"), ("services", "services")):  # fmt: skip
+            assert (before[section] != after[section]) == bool(listed.get(category)), (
+                name, section, before[section] ^ after[section],
+            )  # fmt: skip
+
+
+def test_the_plan_shows_the_server_in_use_and_the_fresh_node_apart() -> None:
+    listed = runs()[0]["hosts"]
+    # node1's ufw is already on with the operator's rule: SSH and the nodes are added, ufw is not
+    # enabled again; node2's ufw is enabled.
+    assert "ufw --force enable" not in listed[NODE1]["firewall"]
+    assert "ufw --force enable" in listed[NODE2]["firewall"]
+    assert [c for c in listed[NODE1]["firewall"] if "port 2222" in c]
+    assert not listed[NODE1].get("sysctls")
 
 
 def test_sshd_listens_on_2222_only_and_answers_the_controller() -> None:

@@ -59,7 +59,8 @@ def install_argv(packages: Iterable[str], spec: Mapping[str, Any]) -> list[str]:
     """The command that installs packages into the environment under the lock.
 
     spec: installer (uv | pip), env_bin, constraints, wheelhouse (a directory: no index at all)
-    or index_urls (the first is the main index, the others extra), no_deps (bool).
+    or index_urls (the first is the main index, the others extra), no_deps (bool), dry_run
+    (bool: say what would change and change nothing, the plan's check mode).
     """
     installer = spec.get("installer")
     if installer not in INSTALLERS:
@@ -88,6 +89,8 @@ def install_argv(packages: Iterable[str], spec: Mapping[str, Any]) -> list[str]:
     argv += ["--constraint", str(spec["constraints"])]
     if spec.get("no_deps"):
         argv.append("--no-deps")
+    if spec.get("dry_run"):
+        argv.append("--dry-run")
     packages = [str(p) for p in packages]
     if not packages:
         raise AnsibleFilterError("install_argv was given no packages to install.")
@@ -95,11 +98,12 @@ def install_argv(packages: Iterable[str], spec: Mapping[str, Any]) -> list[str]:
 
 
 def installer_changed(result: Mapping[str, Any], installer: str) -> bool:
-    """Whether an install run (its stdout/stderr) changed the environment."""
+    """Whether an install run (its stdout/stderr) changed the environment, or a dry run would."""
     out = f"{result.get('stdout', '')}\n{result.get('stderr', '')}"
     if installer == "uv":
-        return re.search(r"^(Installed|Uninstalled) \d+ package", out, re.M) is not None
-    return re.search(r"^Successfully installed ", out, re.M) is not None
+        pattern = r"^(Installed|Uninstalled|Would install|Would uninstall) \d+ package"
+        return re.search(pattern, out, re.M) is not None
+    return re.search(r"^(Successfully installed|Would install) ", out, re.M) is not None
 
 
 class FilterModule:
