@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from llama_runner import trainer_log
+from llama_runner.protocol import protocol
 
 Event = dict[str, Any]
 
@@ -197,9 +198,10 @@ class TrainSummary:
         )
 
 
-# The states of a run, as Cluster.status() reports them; the first three are still going.
-RUN_STATES = ("starting", "running", "restarting", "succeeded", "failed", "stopped")
-ACTIVE_STATES = frozenset(RUN_STATES[:3])
+# The states of a run, as Cluster.status() reports them (the protocol's); the first three are
+# still going.
+RUN_STATES: tuple[str, ...] = protocol.RUN_STATES
+ACTIVE_STATES: frozenset[str] = protocol.ACTIVE_STATES
 
 
 @dataclass(frozen=True)
