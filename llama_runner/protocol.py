@@ -5,6 +5,7 @@ the node's supervisor, the playbooks' module and filters, and this API share one
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from pathlib import Path
@@ -25,8 +26,10 @@ def _checkout() -> Path:
     return here
 
 
-def load() -> ModuleType:
-    """The protocol module: already importable where Ansible's collection finder runs in this
+@functools.cache
+def protocol() -> ModuleType:
+    """The protocol module (loaded on first use: outside a checkout this package still imports,
+    and says what is missing): already importable where Ansible's collection finder runs in this
     process, else once that finder is started with the checkout's collections."""
     try:
         return importlib.import_module(NAME)
@@ -37,6 +40,3 @@ def load() -> ModuleType:
     root = _checkout()
     init_plugin_loader([str(root / "collections"), str(root / ".cache" / "collections")])
     return importlib.import_module(NAME)
-
-
-protocol = load()

@@ -23,7 +23,6 @@ from typing import Any
 
 from llama_runner.protocol import protocol
 from llama_runner.results import (
-    RUN_STATES,
     Event,
     RunStatus,
     as_number,
@@ -81,7 +80,7 @@ def from_job_outcome(item: Mapping[str, Any]) -> dict[str, Any]:
     loss = progress.get("loss")
     return {
         "run_id": item.get("run_id"),
-        "state": protocol.run_state(item.get("phase")),
+        "state": protocol().run_state(item.get("phase")),
         "step": step if step is not None else progress.get("current_steps"),
         "total_steps": summary.get("total_steps") or progress.get("total_steps"),
         "loss": loss if loss is not None else summary.get("final_loss"),
@@ -123,7 +122,7 @@ def runs_from_stats(published: object) -> tuple[RunStatus, ...]:
         runs.append(
             RunStatus(
                 run_id=str(value["run_id"] or ""),
-                state=state if state in RUN_STATES else "stopped",
+                state=state if state in protocol().RUN_STATES else "stopped",
                 step=as_number(value["step"], int),
                 total_steps=as_number(value["total_steps"], int),
                 loss=as_number(value["loss"], float),

@@ -11,6 +11,7 @@ from ansible_collections.llama.cluster.plugins.filter import job as job_filters
 from ansible_collections.llama.cluster.plugins.module_utils.llama_job import protocol
 from ansible_collections.llama.cluster.plugins.modules import llama_job as job_module
 
+import llama_runner
 from llama_runner import results, status
 from llama_runner.protocol import protocol as runner_protocol
 from tests.test_llama_job import TOOL
@@ -25,11 +26,12 @@ NODE_PHASES = (
 
 
 def test_every_controller_layer_imports_the_one_protocol_module():
-    assert runner_protocol is protocol  # llama_runner
+    assert runner_protocol() is protocol  # llama_runner
+    assert llama_runner.RUN_STATES is protocol.RUN_STATES
     assert job_filters.protocol is protocol  # the filters (job_outcome, job_run_summary, ...)
     assert job_module.leading is protocol.leading  # the llama_job module
     assert job_module.progress_line is protocol.progress_line
-    assert status.protocol is protocol
+    assert status.protocol() is protocol
     assert results.RUN_STATES is protocol.RUN_STATES
     assert results.ACTIVE_STATES is protocol.ACTIVE_STATES
 

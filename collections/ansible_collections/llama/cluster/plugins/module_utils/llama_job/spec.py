@@ -163,7 +163,10 @@ def _master(raw: Mapping[str, Any]) -> Master:
 
 
 def _optional_port(value: object) -> int | None:
-    return int(value) if isinstance(value, int) and not isinstance(value, bool) and value else None
+    """A port the spec may leave out (null, 0 or "" for none; a number or its digits)."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value else None
 
 
 def parse_spec(path: str, raw: Mapping[str, Any]) -> JobSpec:
