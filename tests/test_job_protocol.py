@@ -19,7 +19,7 @@ from tests.test_llama_job import TOOL
 NODE_PHASES = (
     "import json, sys\n"
     "sys.path.insert(0, sys.argv[1])\n"
-    "from llama_job import protocol as p\n"
+    "from llama_cluster.llama_job import protocol as p\n"
     "print(json.dumps({'phases': [x.value for x in p.Phase], 'terminal': list(p.TERMINAL),"
     " 'states': list(p.RUN_STATES), 'file': p.__file__}))\n"
 )

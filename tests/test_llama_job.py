@@ -49,6 +49,7 @@ steps, pause = int(os.environ["STEPS"]), float(os.environ["STEP_S"])
 stall_at = int(os.environ.get("STALL_AT", "-1"))
 give_up_at = int(os.environ.get("GIVE_UP_AT", "-1"))
 oom_at = int(os.environ.get("OOM_AT", "-1"))
+fail_once_at = int(os.environ.get("FAIL_ONCE_AT", "-1"))  # fails there on the first attempt only
 for step in range(1, steps + 1):
     time.sleep(pause)
     if step == oom_at and os.environ.get("OOM_CGROUP"):  # into a small memory cgroup, and fill it
@@ -59,6 +60,9 @@ for step in range(1, steps + 1):
         print("[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.30 GiB. "
               "GPU 0 has a total capacity of 79.10 GiB of which 400.00 MiB is free.", flush=True)
         sys.exit(1)
+    if step == fail_once_at and not os.path.exists(os.environ["FAIL_ONCE_MARK"]):
+        open(os.environ["FAIL_ONCE_MARK"], "w").close()
+        sys.exit(3)
     if step == stall_at:
         time.sleep(3600)
     if step == give_up_at:  # like torchrun once a rank died, then a launcher slow to exit
@@ -88,6 +92,7 @@ class Pair:
         steps: int = 30,
         give_up_at: int = 0,
         worker_env: dict[str, str] | None = None,
+        spec_extra: dict[str, dict] | None = None,
         **env: str,
     ) -> None:
         self.tmp = tmp
@@ -147,6 +152,7 @@ class Pair:
                     "stall_factor": 5,
                 },
             }
+            spec.update((spec_extra or {}).get(host, {}))
             (tmp / f"{host}.json").write_text(json.dumps(spec))
         for host in ("m", "w"):
             self.procs[host] = subprocess.Popen(

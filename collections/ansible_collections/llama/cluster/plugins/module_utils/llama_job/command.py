@@ -75,12 +75,12 @@ class Command:
         self.oom_before: dict[str, int | None] = {}
 
     # -- start and end ------------------------------------------------------------------------
-    def start(self, attempt: int) -> Ended | None:
-        """Start the command; an Ended when it cannot be started."""
+    def start(self, attempt: int, extra: list[str] | None = None) -> Ended | None:
+        """Start the command (with `extra` arguments); an Ended when it cannot be started."""
         self.attempt = attempt
         self.offset = file_size(self.spec.log)
         self.scan_offset, self.scan_rest, self.scan_failed = self.offset, "", False
-        argv = [expand(arg, self.env) for arg in self.spec.command]
+        argv = [expand(arg, self.env) for arg in self.spec.command] + list(extra or [])
         self.say(f"attempt {attempt}: starting {' '.join(shlex.quote(a) for a in argv)}")
         self.aborted, self.kill_deadline, self.exit_status = False, None, None
         self.oom_before = oom_counters(self.cgroup)

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .checkpoints import listing, restart_point
 from .command import Ended
 from .link import Hub, Link
 from .logs import is_peer_symptom, last_record, stall_limit
@@ -62,6 +63,7 @@ class Peer:
     done: bool = False
     reported: int = 0
     stopped_procs: bool = False
+    checkpoints: list[dict[str, Any]] | None = None  # listed since its command ended
 
     @property
     def joined(self) -> bool:
@@ -179,6 +181,9 @@ class MasterRunner(NodeRunner):
             return
         peer = self.peers[host]
         peer.seen = time.monotonic()
+        listed = data.get("checkpoints")
+        if isinstance(listed, list) and all(isinstance(e, dict) for e in listed):
+            peer.checkpoints = listed
         if kind == Kind.BEAT.value:
             peer.phase = str(data.get("phase", peer.phase))
             peer.stopped_procs = bool(data.get("stopped_procs"))
@@ -259,6 +264,8 @@ class MasterRunner(NodeRunner):
     def begin_abort(self) -> None:
         """Tell every node to end this attempt, and end it here."""
         self.abort_started = time.monotonic()
+        for peer in self.peers.values():
+            peer.checkpoints = None  # a restart needs what each holds once its command ended
         first = self.candidates[-1]
         self.say(
             f"ending attempt {self.attempt} on every node: {first['node']}: {first['message']}"
@@ -301,7 +308,7 @@ class MasterRunner(NodeRunner):
         for peer in self.peers.values():
             peer.done = False
         self.set_phase(Phase.STARTING)
-        failed = self.command.start(self.attempt)
+        failed = self.start_command()
         if failed is not None:
             self.on_command(failed)
 
@@ -467,21 +474,65 @@ class MasterRunner(NodeRunner):
         self.say(f"failed: {verdict['node']}: {verdict['message']}")
         self.set_phase(Phase.FAILED)
 
+    def restart_plan(self) -> dict[str, Any]:
+        """The checkpoint every node resumes from (checkpoints.restart_point over what each
+        holds), the newer ones each sets aside; ok False, with why, when none is common."""
+        if not self.spec.checkpoints_dir:
+            return {"ok": True, "checkpoint": None, "set_aside": {}, "message": ""}
+        found = {self.host: listing(self.spec.checkpoints_dir)}
+        found.update({host: peer.checkpoints or [] for host, peer in self.peers.items()})
+        point = restart_point(
+            found, self.spec.job, self.spec.checkpoints_dir, self.attempt + 1, self.spec.sharded
+        )
+        if point["none"]:  # nothing complete anywhere: from the beginning, cut-off ones aside
+            cut = {
+                h: [f"checkpoint-{s}" for s in steps] for h, steps in point["incomplete"].items()
+            }
+            message = "no node holds a complete checkpoint: from the beginning"
+            return {"ok": True, "checkpoint": None, "set_aside": cut, "message": message}
+        keys = ("ok", "checkpoint", "set_aside", "message")
+        return {key: point[key] for key in keys}
+
+    def restart(self) -> None:
+        """Every node is back: the next attempt, from the checkpoint they all hold."""
+        assert self.reason is not None
+        plan = self.restart_plan()
+        if not plan["ok"]:
+            message = f"{self.reason['message']}; no restart: {plan['message']}"
+            self.reason = {**self.reason, "message": message}
+            self.say(f"failed: {plan['message']}")
+            self.set_phase(Phase.FAILED)
+            return
+        self.attempt += 1
+        self.restarts.append(
+            {
+                "attempt": self.attempt,
+                "at": iso(time.time()),
+                "after": self.reason,
+                "checkpoint": plan["checkpoint"],
+            }
+        )
+        budget = self.spec.max_restarts
+        self.say(f"restart {len(self.restarts)} of {budget}: attempt {self.attempt}")
+        if plan["message"]:
+            self.say(plan["message"])
+        message = {"t": Kind.RESTART.value, "attempt": self.attempt, "after": self.reason}
+        self.broadcast({**message, "plan": plan})
+        self.prepare_restart(self.attempt, plan)
+        self.begin_attempt()
+
     def tick_restarting(self, now: float) -> None:
         """Start the next attempt once every node is connected and idle."""
         back = (Phase.IDLE.value, Phase.DONE.value, Phase.WAITING.value)
-        away = [h for h, p in self.peers.items() if not (p.joined and p.phase in back)]
+        listed = bool(self.spec.checkpoints_dir)
+        away = [
+            h
+            for h, p in self.peers.items()
+            if not (p.joined and p.phase in back and (p.checkpoints is not None or not listed))
+        ]
         assert self.reason is not None
         if not away:
-            self.attempt += 1
-            self.restarts.append(
-                {"attempt": self.attempt, "at": iso(time.time()), "after": self.reason}
-            )
-            self.say(
-                f"restart {len(self.restarts)} of {self.spec.max_restarts}: attempt {self.attempt}"
-            )
-            self.broadcast({"t": Kind.RESTART.value, "attempt": self.attempt, "after": self.reason})
-            self.begin_attempt()
+            self.restart()
             return
         if now - self.phase_since > self.t.restart:
             late = f"{', '.join(away)} did not come back within {self.t.restart:.0f} s"

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .checkpoints import resume_argument, set_aside
 from .command import Command, Ended
 from .launchers import current_limits
 from .logs import read_env_file
@@ -42,6 +43,7 @@ class NodeRunner:
         self.progress: dict[str, Any] = {}
         self.limits = current_limits()
         self.last_state_write = 0.0
+        self.resume_from: str | None = None  # the checkpoint this attempt resumes from
 
     # -- plumbing -------------------------------------------------------------------------------
     def say(self, text: str) -> None:
@@ -151,6 +153,29 @@ class NodeRunner:
             cause=ended.cause,
         )
         return message, reason
+
+    # -- restarts -----------------------------------------------------------------------------
+    def prepare_restart(self, attempt: int, plan: dict[str, Any]) -> None:
+        """Before a restart: move this node's checkpoints newer than the common one aside (into
+        <run dir>/set-aside/restart-<attempt>/, never deleting one) and note the checkpoint."""
+        directory = self.spec.checkpoints_dir
+        if not directory:
+            return
+        checkpoint = plan.get("checkpoint")
+        self.resume_from = checkpoint if isinstance(checkpoint, str) else None
+        names = (plan.get("set_aside") or {}).get(self.host) or []
+        target = os.path.join(os.path.dirname(directory), "set-aside", f"restart-{attempt}")
+        moved = set_aside(directory, [str(n) for n in names], target)
+        if moved:
+            self.say(f"set aside {', '.join(moved)} (not on every node, or cut off) in {target}")
+        self.say(f"attempt {attempt} resumes from {self.resume_from or 'the beginning'}")
+
+    def start_command(self) -> Ended | None:
+        """Start this attempt's command, passing the checkpoint it resumes from."""
+        extra = resume_argument(
+            self.spec.resume_argument, self.spec.checkpoints_dir, self.resume_from
+        )
+        return self.command.start(self.attempt, extra)
 
     # -- the run loop -----------------------------------------------------------------------
     def on_signal(self, signum: int, _frame: object) -> None:

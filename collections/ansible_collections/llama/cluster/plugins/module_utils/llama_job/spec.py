@@ -104,6 +104,13 @@ class JobSpec:
     limits: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_LIMITS))
     exclusive: bool = True
     secret_env_file: str = ""
+    # Automatic restarts resume from one checkpoint on every node (checkpoints.py): the directory
+    # of this node's checkpoint-N ("" for a job without checkpoints), the argument that passes
+    # the checkpoint to the command ("{checkpoint}" is its path), and whether each node's
+    # checkpoint holds only its own ranks' state.
+    checkpoints_dir: str = ""
+    resume_argument: str = ""
+    sharded: bool = False
 
     @property
     def is_master(self) -> bool:
@@ -133,9 +140,13 @@ def _paths(path: str, raw: Mapping[str, Any]) -> None:
     for key in ("cwd", "log", "state", "env_file"):
         if not isinstance(raw.get(key), str) or not raw[key].startswith("/"):
             raise Refused(f"{path}: {key} must be an absolute path")
-    secret = raw.get("secret_env_file", "")
-    if not isinstance(secret, str) or (secret and not secret.startswith("/")):
-        raise Refused(f"{path}: secret_env_file must be an absolute path or empty")
+    for key in ("secret_env_file", "checkpoints_dir"):
+        given = raw.get(key, "")
+        if not isinstance(given, str) or (given and not given.startswith("/")):
+            raise Refused(f"{path}: {key} must be an absolute path or empty")
+    argument = raw.get("resume_argument", "")
+    if not isinstance(argument, str) or (argument and "{checkpoint}" not in argument):
+        raise Refused(f"{path}: resume_argument must hold {{checkpoint}} (or be empty)")
 
 
 def _command(path: str, raw: Mapping[str, Any]) -> tuple[str, ...]:
@@ -202,6 +213,9 @@ def parse_spec(path: str, raw: Mapping[str, Any]) -> JobSpec:
         limits=dict(raw.get("limits") or DEFAULT_LIMITS),
         exclusive=bool(raw.get("exclusive", True)),
         secret_env_file=str(raw.get("secret_env_file") or ""),
+        checkpoints_dir=str(raw.get("checkpoints_dir") or "").rstrip("/"),
+        resume_argument=str(raw.get("resume_argument") or ""),
+        sharded=bool(raw.get("sharded", False)),
     )
 
 

@@ -9,6 +9,7 @@ import threading
 import time
 from typing import Any
 
+from .checkpoints import listing
 from .command import Ended
 from .link import Link, connect, read_uplink
 from .protocol import Kind, Phase, describe_exit, is_terminal, iso
@@ -81,9 +82,13 @@ class WorkerRunner(NodeRunner):
             read_uplink(link, self.events)  # returns once the connection ends
 
     def send_master(self, message: dict[str, Any]) -> None:
-        """Send to the master when connected."""
-        if self.uplink is not None:
-            self.uplink.send(message)
+        """Send to the master when connected; with this node's checkpoints while its command
+        does not run (what a restart picks its checkpoint from)."""
+        if self.uplink is None:
+            return
+        if self.spec.checkpoints_dir and not self.command.running():
+            message = {**message, "checkpoints": listing(self.spec.checkpoints_dir)}
+        self.uplink.send(message)
 
     # -- events -------------------------------------------------------------------------------
     def on_event(self, kind: str, link: Link | None, data: dict[str, Any] | None) -> None:
@@ -162,6 +167,8 @@ class WorkerRunner(NodeRunner):
         )
         self.attempt = int(data.get("attempt") or self.attempt)
         self.reason = None
+        plan = data.get("plan")
+        self.prepare_restart(self.attempt, plan if isinstance(plan, dict) else {})
         self.say(
             f"restart: attempt {self.attempt} (after {after.get('node')}: {after.get('message')})"
         )
@@ -206,7 +213,7 @@ class WorkerRunner(NodeRunner):
             self.set_phase(Phase.IDLE)
             return
         self.set_phase(Phase.RUNNING)
-        failed = self.command.start(self.attempt)
+        failed = self.start_command()
         if failed is not None:
             self.on_command(failed)
 
