@@ -23,7 +23,6 @@ from llama_runner.errors import (
 )
 from llama_runner.events import EventCallback, ProgressCallback
 from llama_runner.results import (
-    RUN_STATES,
     Event,
     HostStats,
     RunResult,
@@ -59,3 +58,12 @@ __all__ = [
     "TrainProgress",
     "TrainSummary",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """RUN_STATES: the states of a run (the protocol's, loaded from the checkout on first use)."""
+    if name == "RUN_STATES":
+        from llama_runner import results  # noqa: PLC0415 - a lazy attribute
+
+        return results.RUN_STATES
+    raise AttributeError(name)

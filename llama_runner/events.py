@@ -123,9 +123,9 @@ def failure_message(res: Mapping[str, Any]) -> str:
     return message or "failed (no message)"
 
 
-def error_from_events(events: Iterable[Event], hosts: Mapping[str, HostStats]) -> PlaybookFailed:
-    """The typed error that explains a failed run: its first failure that was not rescued."""
-    events = list(events)
+def _fatal_failure(events: list[Event], hosts: Mapping[str, HostStats]) -> Event | None:
+    """The failure that ended the run: of the first host that failed, its last failure (a
+    block's rescue that re-raises, to hand on a clearer message, is the one to report)."""
     failed_hosts = {h for h, s in hosts.items() if s.failed or s.unreachable}
     candidates = [
         e
@@ -136,11 +136,17 @@ def error_from_events(events: Iterable[Event], hosts: Mapping[str, HostStats]) -
     # A failure later rescued leaves its host out of the final failures.
     fatal = [e for e in candidates if e["event_data"].get("host") in failed_hosts] or candidates
     if not fatal:
-        return PlaybookFailed("the playbook failed before any task ran (see stdout)")
-    # The first host that failed, by its last failure: a block's rescue that re-raises (to hand on
-    # a clearer message) is the failure to report.
+        return None
     first = fatal[0]["event_data"].get("host")
-    event = [e for e in fatal if e["event_data"].get("host") == first][-1]
+    return [e for e in fatal if e["event_data"].get("host") == first][-1]
+
+
+def error_from_events(events: Iterable[Event], hosts: Mapping[str, HostStats]) -> PlaybookFailed:
+    """The typed error that explains a failed run: its first failure that was not rescued."""
+    events = list(events)
+    event = _fatal_failure(events, hosts)
+    if event is None:
+        return PlaybookFailed("the playbook failed before any task ran (see stdout)")
     data = event["event_data"]
     host, task = data.get("host"), data.get("task")
     message = failure_message(data.get("res") or {})

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from llama_runner import trainer_log
+from llama_runner.protocol import protocol
 
 Event = dict[str, Any]
 
@@ -197,9 +198,12 @@ class TrainSummary:
         )
 
 
-# The states of a run, as Cluster.status() reports them; the first three are still going.
-RUN_STATES = ("starting", "running", "restarting", "succeeded", "failed", "stopped")
-ACTIVE_STATES = frozenset(RUN_STATES[:3])
+def __getattr__(name: str) -> object:
+    """RUN_STATES (the states of a run, as Cluster.status() reports them; the first three are
+    still going) and ACTIVE_STATES: the protocol's."""
+    if name in ("RUN_STATES", "ACTIVE_STATES"):
+        return getattr(protocol(), name)
+    raise AttributeError(name)
 
 
 @dataclass(frozen=True)
@@ -235,7 +239,7 @@ class RunStatus:
     @property
     def active(self) -> bool:
         """Whether the run is still going (or coming up)."""
-        return self.state in ACTIVE_STATES
+        return self.state in protocol().ACTIVE_STATES
 
     def progress(self, host: str = "") -> TrainProgress:
         """The run's progress in the shape train() reports it."""

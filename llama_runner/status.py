@@ -12,8 +12,8 @@ status.yml publishes (set_stats, key STATUS_STAT) one mapping per run:
 with `state` one of results.RUN_STATES; a single run's mapping (without `runs`) is read as one
 run, and roles/job's own shape of a run (`phase`, `progress`, `nodes`, and for an ended run
 `summary`, the filter job_run_summary's: from_job_outcome) too.
-FIELDS maps each RunStatus field to the key status.yml uses for it. Until status.yml
-publishes it, runs_from_events() reads the same from the results of its tasks.
+FIELDS maps each RunStatus field to the key status.yml uses for it; the run's state is the
+protocol's (llama_runner.protocol: run_state of a job's phase).
 """
 
 from __future__ import annotations
@@ -21,14 +21,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from llama_runner.protocol import protocol
 from llama_runner.results import (
-    RUN_STATES,
     Event,
     RunStatus,
-    TrainProgress,
     as_number,
     as_seconds,
-    json_object,
 )
 
 STATUS_STAT = "llama_status"
@@ -56,25 +54,13 @@ FIELDS = {
 
 
 def parse_status(data: Mapping[str, Any], events: Iterable[Event]) -> tuple[RunStatus, ...]:
-    """The runs a status.yml run reported: its set_stats when it published them, else what its
-    tasks found."""
+    """The runs a status.yml run reported (its set_stats); none when it published none.
+
+    `events` are the run's events, which status.yml's set_stats makes unneeded: it is kept for
+    the callers' sake."""
+    del events
     published = data.get(STATUS_STAT)
-    if published is not None:
-        return runs_from_stats(published)
-    return runs_from_events(events)
-
-
-# llama-job's phases (roles/job/README.md) as RunStatus states.
-PHASE_STATES = {
-    "starting": "starting",
-    "waiting": "starting",
-    "running": "running",
-    "stopping": "running",
-    "restarting": "restarting",
-    "succeeded": "succeeded",
-    "failed": "failed",
-    "stopped": "stopped",
-}
+    return runs_from_stats(published) if published is not None else ()
 
 
 def _mapping(value: object) -> Mapping[str, Any]:
@@ -94,7 +80,7 @@ def from_job_outcome(item: Mapping[str, Any]) -> dict[str, Any]:
     loss = progress.get("loss")
     return {
         "run_id": item.get("run_id"),
-        "state": PHASE_STATES.get(str(item.get("phase") or ""), "stopped"),
+        "state": protocol().run_state(item.get("phase")),
         "step": step if step is not None else progress.get("current_steps"),
         "total_steps": summary.get("total_steps") or progress.get("total_steps"),
         "loss": loss if loss is not None else summary.get("final_loss"),
@@ -136,7 +122,7 @@ def runs_from_stats(published: object) -> tuple[RunStatus, ...]:
         runs.append(
             RunStatus(
                 run_id=str(value["run_id"] or ""),
-                state=state if state in RUN_STATES else "stopped",
+                state=state if state in protocol().RUN_STATES else "stopped",
                 step=as_number(value["step"], int),
                 total_steps=as_number(value["total_steps"], int),
                 loss=as_number(value["loss"], float),
@@ -155,63 +141,3 @@ def runs_from_stats(published: object) -> tuple[RunStatus, ...]:
             )
         )
     return tuple(runs)
-
-
-# Today's status.yml: the tasks whose results say where the run stands.
-_UNITS_TASK = "Status | Read this node's units of the run"
-_LOG_TASK = "Status | Read rank 0's trainer log"
-
-
-def runs_from_events(events: Iterable[Event]) -> tuple[RunStatus, ...]:
-    """The run today's status.yml looked at, from its tasks' results: each node's systemd units
-    (`systemctl list-units`: unit, load, active, sub) and the last line of rank 0's trainer log.
-
-    A unit that failed makes the run failed (on that node); one running makes it running
-    (starting until the trainer logged a step); units that all exited, or none left once the
-    log reached its last step, make it succeeded; no unit left otherwise means stopped.
-    """
-    run_id = ""
-    nodes: dict[str, str] = {}
-    progress: TrainProgress | None = None
-    for event in events:
-        if event.get("event") != "runner_on_ok":
-            continue
-        data = event.get("event_data", {})
-        res = data.get("res") or {}
-        host = str(data.get("host", ""))
-        run_id = str((res.get("ansible_facts") or {}).get("run_id") or run_id)
-        if data.get("task") == _UNITS_TASK:
-            for line in res.get("stdout_lines") or ():
-                fields = line.split()
-                if len(fields) >= 4:
-                    nodes[host] = "failed" if "failed" in fields[2:4] else fields[3]
-        elif data.get("task") == _LOG_TASK and str(res.get("stdout", "")).startswith("{"):
-            progress = TrainProgress.from_result(
-                host, {"progress_data": json_object(res["stdout"])}
-            )
-    if not run_id:
-        return ()
-    step = progress.step if progress else None
-    total = progress.total_steps if progress else None
-    finished = step is not None and total is not None and step >= total
-    failed = [host for host, state in nodes.items() if state == "failed"]
-    if failed:
-        state = "failed"
-    elif "running" in nodes.values():
-        state = "running" if step is not None else "starting"
-    elif (nodes and set(nodes.values()) == {"exited"}) or (not nodes and finished):
-        state = "succeeded"
-    else:
-        state = "stopped"
-    return (
-        RunStatus(
-            run_id=run_id,
-            state=state,
-            step=step,
-            total_steps=total,
-            loss=progress.loss if progress else None,
-            eta_s=progress.remaining_s if progress else None,
-            failed_node=failed[0] if failed else None,
-            nodes=nodes,
-        ),
-    )

@@ -8,8 +8,6 @@ SIGSTOP, stall its progress. What the runners do is what they do on the cluster.
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import json
 import os
 import re
@@ -21,20 +19,21 @@ import time
 from pathlib import Path
 
 import pytest
+from ansible_collections.llama.cluster.plugins.module_utils.llama_job import (
+    build,
+    logs,
+    master,
+    oom,
+    procs,
+    protocol,
+    untrusted,
+)
+from ansible_collections.llama.cluster.plugins.module_utils.llama_job import spec as job_spec
 
 ROOT = Path(__file__).resolve().parents[1]
-TOOL = ROOT / "roles" / "job_supervisor" / "files" / "llama-job"
+# The zipapp that provisioning installs, built from the package as the role builds it.
+TOOL = Path(build.build(ROOT / ".cache" / "llama-job")["path"])
 
-
-def _load():
-    loader = importlib.machinery.SourceFileLoader("llama_job_tool", str(TOOL))
-    spec = importlib.util.spec_from_loader("llama_job_tool", loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
-
-
-lj = _load()
 
 # The job each runner starts: rank 0 listens on the gate port (like torchrun's store), both
 # "train" STEPS steps of STEP_S seconds, rank 0 appends one trainer-log record per step.
@@ -50,6 +49,7 @@ steps, pause = int(os.environ["STEPS"]), float(os.environ["STEP_S"])
 stall_at = int(os.environ.get("STALL_AT", "-1"))
 give_up_at = int(os.environ.get("GIVE_UP_AT", "-1"))
 oom_at = int(os.environ.get("OOM_AT", "-1"))
+fail_once_at = int(os.environ.get("FAIL_ONCE_AT", "-1"))  # fails there on the first attempt only
 for step in range(1, steps + 1):
     time.sleep(pause)
     if step == oom_at and os.environ.get("OOM_CGROUP"):  # into a small memory cgroup, and fill it
@@ -60,6 +60,9 @@ for step in range(1, steps + 1):
         print("[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.30 GiB. "
               "GPU 0 has a total capacity of 79.10 GiB of which 400.00 MiB is free.", flush=True)
         sys.exit(1)
+    if step == fail_once_at and not os.path.exists(os.environ["FAIL_ONCE_MARK"]):
+        open(os.environ["FAIL_ONCE_MARK"], "w").close()
+        sys.exit(3)
     if step == stall_at:
         time.sleep(3600)
     if step == give_up_at:  # like torchrun once a rank died, then a launcher slow to exit
@@ -89,6 +92,7 @@ class Pair:
         steps: int = 30,
         give_up_at: int = 0,
         worker_env: dict[str, str] | None = None,
+        spec_extra: dict[str, dict] | None = None,
         **env: str,
     ) -> None:
         self.tmp = tmp
@@ -148,6 +152,7 @@ class Pair:
                     "stall_factor": 5,
                 },
             }
+            spec.update((spec_extra or {}).get(host, {}))
             (tmp / f"{host}.json").write_text(json.dumps(spec))
         for host in ("m", "w"):
             self.procs[host] = subprocess.Popen(
@@ -227,18 +232,18 @@ def pair_factory(tmp_path: Path):
 def test_the_culprit_is_the_node_whose_failure_is_its_own():
     echo = {"node": "m", "kind": "exited", "at_s": 1.0, "errors": ["Connection closed by peer"]}
     cause = {"node": "w", "kind": "exited", "at_s": 2.0, "errors": ["Signal 9 (SIGKILL) received"]}
-    assert lj.choose_culprit([echo, cause])["node"] == "w"
+    assert master.choose_culprit([echo, cause])["node"] == "w"
     gone = {"node": "w", "kind": "vanished", "at_s": 3.0, "errors": []}
-    assert lj.choose_culprit([echo, gone])["node"] == "w"
+    assert master.choose_culprit([echo, gone])["node"] == "w"
     stop = {"node": "m", "kind": "stopped", "at_s": 9.0, "errors": []}
-    assert lj.choose_culprit([cause, stop])["kind"] == "stopped"
+    assert master.choose_culprit([cause, stop])["kind"] == "stopped"
 
 
 def test_a_stall_needs_the_floor_or_ten_median_steps():
-    timeouts = {**lj.DEFAULT_TIMEOUTS, "stall_floor": 600, "stall_factor": 10}
-    assert lj.stall_limit([], timeouts, seen_any=False) == timeouts["stall_startup"]
-    assert lj.stall_limit([1.0, 2.0, 100.0], timeouts, seen_any=True) == 600
-    assert lj.stall_limit([90.0, 100.0, 110.0], timeouts, seen_any=True) == 1000
+    timeouts = {**job_spec.DEFAULT_TIMEOUTS, "stall_floor": 600, "stall_factor": 10}
+    assert logs.stall_limit([], timeouts, seen_any=False) == timeouts["stall_startup"]
+    assert logs.stall_limit([1.0, 2.0, 100.0], timeouts, seen_any=True) == 600
+    assert logs.stall_limit([90.0, 100.0, 110.0], timeouts, seen_any=True) == 1000
 
 
 def test_first_error_lines_skip_the_supervisor_and_warnings():
@@ -251,11 +256,11 @@ def test_first_error_lines_skip_the_supervisor_and_warnings():
             "subprocess.CalledProcessError: returned non-zero exit status 1.",
         ]
     )
-    assert lj.first_error_lines(text) == [
+    assert logs.first_error_lines(text) == [
         "RuntimeError: Expected a string, got None",
         "subprocess.CalledProcessError: returned non-zero exit status 1.",
     ]
-    assert lj.first_error_lines("a\nb") == ["a", "b"]
+    assert logs.first_error_lines("a\nb") == ["a", "b"]
 
 
 def test_the_exit_status_a_launcher_reports_is_read_from_its_output():
@@ -265,10 +270,10 @@ def test_the_exit_status_a_launcher_reports_is_read_from_its_output():
         "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"
         "  exitcode  : -9 (pid: 8393)\n"
     )
-    assert lj.reported_exit_status(text) == -9
-    assert lj.describe_exit(lj.reported_exit_status(text)) == "killed by signal 9 (SIGKILL)"
-    assert lj.reported_exit_status("exitcode : 0\nChildFailedError") is None
-    assert lj.reported_exit_status("ChildFailedError: rank 1 died") is None
+    assert logs.reported_exit_status(text) == -9
+    assert protocol.describe_exit(logs.reported_exit_status(text)) == "killed by signal 9 (SIGKILL)"
+    assert logs.reported_exit_status("exitcode : 0\nChildFailedError") is None
+    assert logs.reported_exit_status("ChildFailedError: rank 1 died") is None
 
 
 # What a node's kernel logs when its OOM killer ends a rank (a global OOM, Linux 5.x/6.x).
@@ -300,34 +305,34 @@ CUDA_OOM_LINE = (
 
 
 def test_the_kernel_log_names_the_oom_killer_s_victim_in_both_line_formats():
-    assert lj.kernel_oom_kills(KERNEL_OOM_LOG, {8393}, uid=1000) == [
+    assert oom.kernel_oom_kills(KERNEL_OOM_LOG, {8393}, uid=1000) == [
         {"pid": 8393, "process": "python3", "uid": 1000, "rss": 126877696 * 1024}
     ]
     summary_only = "\n".join(line for line in KERNEL_OOM_LOG.splitlines() if "Killed" not in line)
-    assert lj.kernel_oom_kills(summary_only, {8393}) == [
+    assert oom.kernel_oom_kills(summary_only, {8393}) == [
         {"pid": 8393, "process": "python3", "uid": 1000, "rss": None}
     ]
     cgroup_line = "Memory cgroup out of memory: Killed process 512 (python) anon-rss:65152kB, UID:0"
-    assert lj.kernel_oom_kills(cgroup_line, {512})[0]["rss"] == 65152 * 1024
-    assert lj.kernel_oom_kills(KERNEL_OOM_LOG, {8394}) == []  # another process was killed
-    assert lj.kernel_oom_kills(KERNEL_OOM_LOG, {8393}, uid=1001) == []  # a pid used again since
+    assert oom.kernel_oom_kills(cgroup_line, {512})[0]["rss"] == 65152 * 1024
+    assert oom.kernel_oom_kills(KERNEL_OOM_LOG, {8394}) == []  # another process was killed
+    assert oom.kernel_oom_kills(KERNEL_OOM_LOG, {8393}, uid=1001) == []  # a pid used again since
 
 
 def test_the_processes_a_launcher_reports_failed_carry_rank_and_pid():
-    assert lj.reported_failures(TORCHRUN_KILLED) == [{"rank": 0, "exit_status": -9, "pid": 8393}]
+    assert oom.reported_failures(TORCHRUN_KILLED) == [{"rank": 0, "exit_status": -9, "pid": 8393}]
     agent_only = TORCHRUN_KILLED.splitlines()[0]
-    assert lj.reported_failures(agent_only) == [{"rank": None, "exit_status": -9, "pid": 8393}]
-    assert lj.reported_failures("rank : 0 (local_rank: 0)\n exitcode : 0 (pid: 5)") == []
+    assert oom.reported_failures(agent_only) == [{"rank": None, "exit_status": -9, "pid": 8393}]
+    assert oom.reported_failures("rank : 0 (local_rank: 0)\n exitcode : 0 (pid: 5)") == []
 
 
 def test_the_memory_cgroup_of_a_unit_is_found_for_cgroup_v2_and_v1(tmp_path: Path):
     v2 = "0::/system.slice/llama-t-rank0.service\n"
-    assert lj.cgroup_dir(v2, tmp_path) == tmp_path / "system.slice/llama-t-rank0.service"
-    assert lj.unit_cgroup("llama-t-rank0", v2, tmp_path) == tmp_path / v2[4:].strip()
+    assert oom.cgroup_dir(v2, tmp_path) == tmp_path / "system.slice/llama-t-rank0.service"
+    assert oom.unit_cgroup("llama-t-rank0", v2, tmp_path) == tmp_path / v2[4:].strip()
     v1 = "12:pids:/x\n4:memory:/system.slice/llama-t-rank0.service\n0::/system.slice/x\n"
-    assert lj.cgroup_dir(v1, tmp_path) == tmp_path / "memory/system.slice/llama-t-rank0.service"
+    assert oom.cgroup_dir(v1, tmp_path) == tmp_path / "memory/system.slice/llama-t-rank0.service"
     session = "0::/user.slice/user-1000.slice/session-4.scope\n"
-    assert lj.unit_cgroup("llama-t-rank0", session, tmp_path) is None  # not a cgroup of the job's
+    assert oom.unit_cgroup("llama-t-rank0", session, tmp_path) is None  # not a cgroup of the job's
 
 
 def test_oom_kill_counters_are_read_from_memory_events_oom_control_and_vmstat(tmp_path: Path):
@@ -340,9 +345,9 @@ def test_oom_kill_counters_are_read_from_memory_events_oom_control_and_vmstat(tm
     (v1 / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 3\n")
     vmstat = tmp_path / "vmstat"
     vmstat.write_text("pgfault 1234\noom_kill 7\n")
-    assert lj.oom_counters(v2, vmstat) == {"node": 7, "cgroup": 1}
-    assert lj.oom_counters(v1, vmstat) == {"node": 7, "cgroup": 3}
-    assert lj.oom_counters(None, tmp_path / "absent") == {"node": None, "cgroup": None}
+    assert oom.oom_counters(v2, vmstat) == {"node": 7, "cgroup": 1}
+    assert oom.oom_counters(v1, vmstat) == {"node": 7, "cgroup": 3}
+    assert oom.oom_counters(None, tmp_path / "absent") == {"node": None, "cgroup": None}
 
 
 def _no_log() -> str:
@@ -353,22 +358,22 @@ def test_an_oom_kill_needs_a_counter_that_rose_or_the_kernel_log_naming_a_job_pi
     def log() -> str:
         return KERNEL_OOM_LOG
 
-    unit = lj.oom_kill_evidence(
+    unit = oom.oom_kill_evidence(
         {"node": 0, "cgroup": 0}, {"node": 1, "cgroup": 1}, log, {8393}, 1000
     )
-    assert unit == {"source": "cgroup", "victim": lj.kernel_oom_kills(KERNEL_OOM_LOG, {8393})[0]}
+    assert unit == {"source": "cgroup", "victim": oom.kernel_oom_kills(KERNEL_OOM_LOG, {8393})[0]}
     flat = ({"node": 4, "cgroup": 2}, {"node": 5, "cgroup": 2})  # another cgroup's process
-    assert lj.oom_kill_evidence(*flat, _no_log, {8393}, 1000) is None
+    assert oom.oom_kill_evidence(*flat, _no_log, {8393}, 1000) is None
     session = ({"node": 4, "cgroup": None}, {"node": 4, "cgroup": None})
-    assert lj.oom_kill_evidence(*session, _no_log, {8393}, 1000) is None
+    assert oom.oom_kill_evidence(*session, _no_log, {8393}, 1000) is None
     ran = ({"node": 4, "cgroup": None}, {"node": 5, "cgroup": None})
-    assert lj.oom_kill_evidence(*ran, log, {8393}, 1000)["source"] == "kernel log"
-    assert lj.oom_kill_evidence(*ran, log, {9000}, 1000) is None  # the killer chose another
-    assert lj.oom_kill_evidence(*ran, lambda: None, {8393}, 1000) == {
+    assert oom.oom_kill_evidence(*ran, log, {8393}, 1000)["source"] == "kernel log"
+    assert oom.oom_kill_evidence(*ran, log, {9000}, 1000) is None  # the killer chose another
+    assert oom.oom_kill_evidence(*ran, lambda: None, {8393}, 1000) == {
         "source": "node",
         "victim": None,
     }
-    assert lj.oom_kill_evidence({}, {}, lambda: "", {8393}, 1000) is None  # no counters, no line
+    assert oom.oom_kill_evidence({}, {}, lambda: "", {8393}, 1000) is None  # no counters, no line
 
 
 def test_memory_figures_come_from_meminfo_and_the_unit_s_cgroup(tmp_path: Path):
@@ -378,20 +383,20 @@ def test_memory_figures_come_from_meminfo_and_the_unit_s_cgroup(tmp_path: Path):
     unit.mkdir()
     (unit / "memory.max").write_text("max\n")
     (unit / "memory.peak").write_text(f"{126 << 30}\n")
-    assert lj.memory_figures(unit, meminfo) == {
+    assert oom.memory_figures(unit, meminfo) == {
         "total": 128 << 30,
         "limit": None,
         "peak": 126 << 30,
     }
     (unit / "memory.max").write_text(f"{30 << 30}\n")
-    assert lj.memory_figures(unit, meminfo)["limit"] == 30 << 30
+    assert oom.memory_figures(unit, meminfo)["limit"] == 30 << 30
     v1 = tmp_path / "v1"
     v1.mkdir()
     (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
     (v1 / "memory.max_usage_in_bytes").write_text("1073741824\n")
-    assert lj.memory_figures(v1, meminfo)["limit"] is None
-    assert lj.memory_figures(v1, meminfo)["peak"] == 1 << 30
-    assert lj.memory_figures(None, tmp_path / "absent") == {
+    assert oom.memory_figures(v1, meminfo)["limit"] is None
+    assert oom.memory_figures(v1, meminfo)["peak"] == 1 << 30
+    assert oom.memory_figures(None, tmp_path / "absent") == {
         "total": None,
         "limit": None,
         "peak": None,
@@ -403,54 +408,54 @@ def _gib(tried: float, free: float, total: float) -> dict[str, float]:
 
 
 def test_a_cuda_oom_line_gives_the_rank_and_the_gpu_s_figures():
-    cause = lj.cuda_oom(f"step 40\n{CUDA_OOM_LINE}\nChildFailedError\n", [])
+    cause = oom.cuda_oom(f"step 40\n{CUDA_OOM_LINE}\nChildFailedError\n", [])
     assert cause == {"kind": "gpu_oom", "rank": 1, "gpu": 0, **_gib(2.3, 0.4, 79.1)}
     older = (
         "RuntimeError: CUDA out of memory. Tried to allocate 512.00 MiB (GPU 3; 15.90 GiB total "
         "capacity; 13.13 GiB already allocated; 0 bytes free; 14.80 GiB reserved in total)"
     )
     failed = [{"rank": 5, "exit_status": 1, "pid": 10}]
-    assert lj.cuda_oom(older, failed) == {
+    assert oom.cuda_oom(older, failed) == {
         "kind": "gpu_oom",
         "rank": 5,
         "gpu": 3,
         **_gib(0.5, 0, 15.9),
     }
-    assert lj.cuda_oom("RuntimeError: NCCL error", failed) is None
+    assert oom.cuda_oom("RuntimeError: NCCL error", failed) is None
 
 
 def test_the_cause_is_said_with_the_rank_the_node_and_the_figures():
-    kernel_log = lj.oom_kill_evidence(
+    kernel_log = oom.oom_kill_evidence(
         {"node": 0}, {"node": 1}, lambda: KERNEL_OOM_LOG, {8393}, 1000
     )
-    failures = lj.reported_failures(TORCHRUN_KILLED)
+    failures = oom.reported_failures(TORCHRUN_KILLED)
     host = {"total": 128 << 30, "limit": None, "peak": None}
-    cause = lj.host_oom_cause(kernel_log, failures, host)
+    cause = oom.host_oom_cause(kernel_log, failures, host)
     assert (cause["rank"], cause["pid"], cause["source"]) == (0, 8393, "kernel log")
-    assert lj.describe_cause(cause, "node1") == (
+    assert oom.describe_cause(cause, "node1") == (
         "the kernel killed rank 0 on node1 for host memory: it held 121.0 of 128.0 GiB (OOM killer)"
     )
-    unit = lj.host_oom_cause(
+    unit = oom.host_oom_cause(
         {"source": "cgroup", "victim": None}, failures, {**host, "peak": 126 << 30}
     )
-    assert lj.describe_cause(unit, "node1") == (
+    assert oom.describe_cause(unit, "node1") == (
         "the kernel killed rank 0 on node1 for host memory: 126.0 of 128.0 GiB in use (OOM killer)"
     )
-    limited = lj.host_oom_cause(
+    limited = oom.host_oom_cause(
         {"source": "cgroup", "victim": None},
         [],
         {"total": 128 << 30, "limit": 8 << 30, "peak": 8 << 30},
     )
-    assert lj.describe_cause(limited, "node1") == (
+    assert oom.describe_cause(limited, "node1") == (
         "the kernel killed a process of the job on node1 for its unit's memory limit: 8.0 of 8.0 "
         "GiB in use (OOM killer)"
     )
-    unread = lj.host_oom_cause({"source": "node", "victim": None}, failures, host)
-    assert lj.describe_cause(unread, "node1").startswith(
+    unread = oom.host_oom_cause({"source": "node", "victim": None}, failures, host)
+    assert oom.describe_cause(unread, "node1").startswith(
         "rank 0 on node1 was killed as the kernel's OOM killer ran there (host memory: 128.0 GiB;"
     )
-    gpu = lj.cuda_oom(CUDA_OOM_LINE, [])
-    assert lj.describe_cause(gpu, "node2", step=40) == (
+    gpu = oom.cuda_oom(CUDA_OOM_LINE, [])
+    assert oom.describe_cause(gpu, "node2", step=40) == (
         "rank 1 on node2 ran out of GPU memory after step 40: tried to allocate 2.3 GiB, 0.4 of "
         "79.1 GiB free"
     )
@@ -463,14 +468,14 @@ def test_a_sigkilled_process_the_kernel_log_does_not_name_is_no_oom_kill():
     assert victim.wait() == -signal.SIGKILL
     # Whatever this machine's kernel log holds (or if this user cannot read it), it names no
     # OOM kill of this pid: the counters left unknown, the log alone decides.
-    log = lj.read_kernel_log(started - 1)
-    assert lj.oom_kill_evidence({}, {}, lambda: log, {victim.pid}, os.getuid()) is None
+    log = oom.read_kernel_log(started - 1)
+    assert oom.oom_kill_evidence({}, {}, lambda: log, {victim.pid}, os.getuid()) is None
 
 
 def test_environment_files_read_as_systemd_reads_them():
-    env = lj.read_env_file('# comment\nA="1 2"\nB=plain\nC=""\n')
+    env = logs.read_env_file('# comment\nA="1 2"\nB=plain\nC=""\n')
     assert env == {"A": "1 2", "B": "plain", "C": ""}
-    assert lj.expand("--nnodes=${A}/${MISSING}", env) == "--nnodes=1 2/"
+    assert logs.expand("--nnodes=${A}/${MISSING}", env) == "--nnodes=1 2/"
 
 
 def test_listeners_name_the_process_that_holds_a_port():
@@ -478,12 +483,12 @@ def test_listeners_name_the_process_that_holds_a_port():
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         port = sock.getsockname()[1]
-        found = lj.listeners(port)
-        busy = lj.busy_ports([port])
+        found = procs.listeners(port)
+        busy = procs.busy_ports([port])
     assert [entry["pid"] for entry in found] == [os.getpid()]
     assert "pytest" in found[0]["command"] or "python" in found[0]["command"]
     assert f"port {port} is in use by pid {os.getpid()}" in busy[0]
-    assert lj.busy_ports([port]) == []
+    assert procs.busy_ports([port]) == []
 
 
 def test_the_ports_verb_says_who_holds_a_port_as_start_would_refuse_it(tmp_path: Path):
@@ -493,7 +498,7 @@ def test_the_ports_verb_says_who_holds_a_port_as_start_would_refuse_it(tmp_path:
         port = sock.getsockname()[1]
         held = _verb(tmp_path, "ports", "--port", str(port))
     assert held["free"] is False
-    holder = lj.describe_listener(held["listeners"][0])
+    holder = procs.describe_listener(held["listeners"][0])
     assert held["busy"] == [f"port {port} is in use by {holder}"]
     free = _verb(tmp_path, "ports", "--port", str(port))
     assert free == {"free": True, "listeners": [], "busy": []}
@@ -503,8 +508,8 @@ def test_a_spec_the_job_user_could_rewrite_is_refused(tmp_path: Path):
     spec = tmp_path / "s.json"
     spec.write_text("{}")
     spec.chmod(0o666)
-    with pytest.raises(lj.Refused):
-        lj.load_spec(str(spec), require_root=True)
+    with pytest.raises(job_spec.Refused):
+        job_spec.load_spec(str(spec), require_root=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -736,7 +741,7 @@ def test_start_refuses_a_taken_master_port_naming_the_process(tmp_path: Path):
     )
     try:
         deadline = time.monotonic() + 20
-        while not lj.listeners(pair.gate) and time.monotonic() < deadline:
+        while not procs.listeners(pair.gate) and time.monotonic() < deadline:
             time.sleep(0.1)
         refused = _verb(records, "start", "--spec", str(tmp_path / "m.json"), "--user", "root")
         assert f"port {pair.gate} is in use by pid {stray.pid}" in refused["error"], refused
@@ -752,6 +757,8 @@ def test_root_never_reads_a_state_file_through_a_link(tmp_path: Path):
     secret.write_text('{"phase": "succeeded"}')
     link = tmp_path / "state.json"
     link.symlink_to(secret)
-    assert lj.read_json_untrusted(link, (os.getuid(),)) == {}
-    assert lj.read_json_untrusted(secret, (os.getuid(),)) == {"phase": "succeeded"}
-    assert lj.read_json_untrusted(secret, (os.getuid() + 1,)) == {}  # not the job user's file
+    assert untrusted.read_json_untrusted(link, (os.getuid(),)) == {}
+    assert untrusted.read_json_untrusted(secret, (os.getuid(),)) == {"phase": "succeeded"}
+    assert (
+        untrusted.read_json_untrusted(secret, (os.getuid() + 1,)) == {}
+    )  # not the job user's file

@@ -20,8 +20,10 @@ import time
 from pathlib import Path
 
 import pytest
+from ansible_collections.llama.cluster.plugins.module_utils.llama_job import control, procs
+from ansible_collections.llama.cluster.plugins.module_utils.llama_job import spec as job_spec
 
-from tests.test_llama_job import TOOL, _free_port, lj
+from tests.test_llama_job import TOOL, _free_port
 
 # The service: listens on its port, writes what it saw of its secret, then serves until stopped.
 SERVICE = r"""
@@ -140,14 +142,14 @@ def _listening_pids() -> set[int]:
             parts = line.split()
             if parts[3] == "0A":
                 inodes.add(int(parts[9]))
-    return {pid for pids in lj.socket_owners(inodes).values() for pid in pids}
+    return {pid for pids in procs.socket_owners(inodes).values() for pid in pids}
 
 
 def test_a_service_runs_once_its_own_port_listens_and_keeps_no_watchdog(service_factory):
     service = service_factory()
     state = service.wait("running")
     child = state["child"]
-    assert child in {entry["pid"] for entry in lj.listeners(service.port)}, service.log()
+    assert child in {entry["pid"] for entry in procs.listeners(service.port)}, service.log()
     assert service.proc.pid not in _listening_pids(), "the runner of a service listens on a port"
     assert state["peers"] == {}
 
@@ -163,7 +165,7 @@ def test_a_service_that_dies_is_started_again_then_stopped_on_request(service_fa
     service.proc.wait(timeout=20)
     assert service.state()["phase"] == "stopped", service.log()
     assert service.leftovers() == []
-    assert lj.listeners(service.port) == []
+    assert procs.listeners(service.port) == []
 
 
 def test_a_service_with_no_restart_left_fails_naming_its_exit(service_factory):
@@ -187,17 +189,17 @@ def test_the_secret_environment_reaches_the_command_and_nothing_else(service_fac
 def test_start_refuses_a_secret_file_that_others_can_read(tmp_path: Path):
     me = pwd.getpwuid(os.getuid())
     secret = tmp_path / "secrets.env"
-    with pytest.raises(lj.Refused, match="is missing"):
-        lj.check_secret_file(str(secret), me)
+    with pytest.raises(job_spec.Refused, match="is missing"):
+        control.check_secret_file(str(secret), me)
     secret.write_text('KEY="value"\n')
     secret.chmod(0o640)
-    with pytest.raises(lj.Refused, match=r"mode 0600; it is -rw-r-----"):
-        lj.check_secret_file(str(secret), me)
+    with pytest.raises(job_spec.Refused, match=r"mode 0600; it is -rw-r-----"):
+        control.check_secret_file(str(secret), me)
     secret.chmod(0o600)
-    lj.check_secret_file(str(secret), me)
+    control.check_secret_file(str(secret), me)
     (tmp_path / "link.env").symlink_to(secret)
-    with pytest.raises(lj.Refused, match="regular file"):
-        lj.check_secret_file(str(tmp_path / "link.env"), me)
+    with pytest.raises(job_spec.Refused, match="regular file"):
+        control.check_secret_file(str(tmp_path / "link.env"), me)
 
 
 def test_a_spec_without_the_new_keys_is_an_exclusive_job_without_secrets(tmp_path: Path):
@@ -217,8 +219,8 @@ def test_a_spec_without_the_new_keys_is_an_exclusive_job_without_secrets(tmp_pat
     }
     path = tmp_path / "spec.json"
     path.write_text(json.dumps(spec))
-    loaded = lj.load_spec(str(path), require_root=False)
+    loaded = job_spec.load_spec(str(path), require_root=False)
     assert (loaded["exclusive"], loaded["secret_env_file"]) == (True, "")
     path.write_text(json.dumps({**spec, "secret_env_file": "relative.env"}))
-    with pytest.raises(lj.Refused, match="secret_env_file must be an absolute path"):
-        lj.load_spec(str(path), require_root=False)
+    with pytest.raises(job_spec.Refused, match="secret_env_file must be an absolute path"):
+        job_spec.load_spec(str(path), require_root=False)

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
+from ansible_collections.llama.cluster.plugins.module_utils.llama_job import protocol
 from ansible_collections.llama.cluster.plugins.module_utils.planner.checkpoints import (
     resume_point,
 )
@@ -19,100 +20,18 @@ from ansible_collections.llama.cluster.plugins.module_utils.trainer_log import (
     parse_records,
 )
 
-TERMINAL = ("succeeded", "failed", "stopped")
-
-
-def _ranks(result: object) -> list[dict[str, Any]]:
-    """The rank statuses in one node's `llama_job status` result ([] when it did not answer)."""
-    if not isinstance(result, Mapping) or result.get("unreachable") or result.get("failed"):
-        return []
-    return [r for r in result.get("ranks") or [] if isinstance(r, Mapping)]
-
 
 def job_outcome(
     hosts: list[str], hostvars: Mapping[str, Any], master: str, register: str
 ) -> dict[str, Any]:
-    """One job's state across the cluster from each node's registered `llama_job status`.
-
-    A node without the result (it left the play, or did not answer) counts as unreachable.
-    The master's runner coordinates the job, so its view wins; without it, the workers' own
-    records say what they saw (typically that the master vanished).
-    """
+    """One job's state across the cluster from each node's registered `llama_job status`
+    (protocol.job_outcome: a node without the result, which left the play or did not answer,
+    counts as unreachable)."""
     results = {}
     for host in hosts:
         found = hostvars[host].get(register) if host in hostvars else None
         results[host] = found if isinstance(found, Mapping) else {"unreachable": True}
-    nodes: dict[str, dict[str, Any]] = {}
-    unreachable = []
-    views = []
-    for host, result in sorted(results.items()):
-        ranks = _ranks(result)
-        if not ranks:
-            if not isinstance(result, Mapping) or result.get("unreachable") or result.get("failed"):
-                unreachable.append(host)
-                nodes[host] = {"phase": "unknown", "active": None, "reachable": False}
-            else:
-                nodes[host] = {"phase": "absent", "active": False, "reachable": True}
-            continue
-        for rank in ranks:
-            views.append((host, rank))
-            nodes[host] = {
-                "phase": rank.get("phase"),
-                "active": bool(rank.get("active")),
-                "reachable": True,
-                "rank": rank.get("rank"),
-                "unit": rank.get("unit"),
-                "log": rank.get("log"),
-                "exit_status": rank.get("exit_status"),
-                "supervisor": rank.get("supervisor"),
-            }
-    lead_host, lead = next(
-        ((h, r) for h, r in views if h == master and r.get("role") == "master"), (None, None)
-    )
-    if lead is None:
-        lead_host, lead = next(
-            ((h, r) for h, r in views if r.get("role") == "master"), (None, None)
-        )
-    if lead is not None:
-        phase = lead.get("phase", "unknown")
-        reason = lead.get("reason")
-    else:
-        finals = [r for _, r in views if r.get("phase") in TERMINAL]
-        failed = [r for r in finals if r.get("phase") == "failed"]
-        source = failed[0] if failed else (finals[0] if finals else None)
-        phase = source.get("phase") if source else ("unknown" if unreachable else "absent")
-        reason = source.get("reason") if source else None
-        if reason is None and master in unreachable:
-            reason = {
-                "node": master,
-                "kind": "vanished",
-                "message": "the master did not answer",
-                "exit_status": None,
-                "errors": [],
-            }
-            phase = "failed" if phase in ("unknown", "absent") else phase
-    if phase == "succeeded":
-        reason = None
-    still = sorted(h for h, n in nodes.items() if n.get("active"))
-    return {
-        "phase": phase,
-        "reason": reason,
-        "node": (reason or {}).get("node"),
-        "exit_status": (reason or {}).get("exit_status"),
-        "errors": list((reason or {}).get("errors") or []),
-        "unreachable": unreachable,
-        "active": still,
-        "nodes": nodes,
-        "attempt": (lead or {}).get("attempt", 1),
-        "max_restarts": (lead or {}).get("max_restarts", 0),
-        "restarts": list((lead or {}).get("restarts") or []),
-        "progress": dict((lead or {}).get("progress") or {}),
-        "started": (lead or {}).get("started"),
-        "ended": (lead or {}).get("ended"),
-        # What the last attempt's records of rank 0's trainer log say, where the master's
-        # `llama_job status` was given the log (progress_file).
-        "trainer_log": dict(results.get(lead_host or "", {}).get("trainer_log") or {}),
-    }
+    return protocol.job_outcome(results, master)
 
 
 def _exit_words(code: object) -> str:
@@ -123,42 +42,49 @@ def _exit_words(code: object) -> str:
     return f"exit status {code}"
 
 
-def job_failure_message(outcome: Mapping[str, Any], job: str, ranks: Mapping[str, int]) -> str:
-    """The play's failure message: the node, its exit status and its first error lines."""
-    reason = outcome.get("reason") or {}
-    node = reason.get("node") or "an unknown node"
-    rank = ranks.get(node, reason.get("rank"))
-    where = f"{node} (rank {rank})" if rank is not None else node
+def _failure_head(reason: Mapping[str, Any], job: str, where: str) -> str:
+    """The message's first line: stopped, or failed with what it said and its exit status."""
     words = _exit_words(reason.get("exit_status"))
-    kind = reason.get("kind")
     said = str(reason.get("message") or "it failed")
-    if kind == "stopped":
-        head = f"Job {job} was stopped ({said}, on {where})."
-    else:
-        head = f"Job {job} failed on {where}: {said}"
-        if words and words not in said:
-            head += f", {words}"
-        head += "."
-    stopped = [h for h, n in (outcome.get("nodes") or {}).items() if n.get("reachable")]
-    lines = [head]
+    if reason.get("kind") == "stopped":
+        return f"Job {job} was stopped ({said}, on {where})."
+    tail = f", {words}" if words and words not in said else ""
+    return f"Job {job} failed on {where}: {said}{tail}."
+
+
+def _aftermath(outcome: Mapping[str, Any], node: str, kind: object) -> list[str]:
+    """The restarts, what still runs or was stopped, and the nodes that did not answer."""
+    lines = []
     if outcome.get("restarts"):
         lines.append(
             f"It was restarted {len(outcome['restarts'])} time(s) of {outcome.get('max_restarts')}."
         )
+    stopped = [h for h, n in (outcome.get("nodes") or {}).items() if n.get("reachable")]
     if outcome.get("active"):
         lines.append(
             f"Still running on {', '.join(outcome['active'])}: stop it (playbooks/stop.yml)."
         )
     elif stopped:
         lines.append(f"Every rank was stopped on {', '.join(stopped)}.")
-    away = [h for h in outcome.get("unreachable") or [] if h != node or kind != "vanished"]
-    if outcome.get("unreachable"):
+    unreachable = list(outcome.get("unreachable") or [])
+    away = [h for h in unreachable if h != node or kind != "vanished"]
+    if away:
         lines.append(
-            f"{', '.join(outcome['unreachable'])} did not answer: its runner ends its ranks on "
+            f"{', '.join(unreachable)} did not answer: its runner ends its ranks on "
             "its own once it notices the master is gone."
-            if away
-            else f"{node} did not answer."
         )
+    elif unreachable:
+        lines.append(f"{node} did not answer.")
+    return lines
+
+
+def job_failure_message(outcome: Mapping[str, Any], job: str, ranks: Mapping[str, int]) -> str:
+    """The play's failure message: the node, its exit status and its first error lines."""
+    reason = outcome.get("reason") or {}
+    node = reason.get("node") or "an unknown node"
+    rank = ranks.get(node, reason.get("rank"))
+    where = f"{node} (rank {rank})" if rank is not None else node
+    lines = [_failure_head(reason, job, where), *_aftermath(outcome, node, reason.get("kind"))]
     errors = list(outcome.get("errors") or [])
     if errors:
         lines.append(f"First error lines on {node}:")
@@ -272,7 +198,7 @@ def job_run_summary(
     run that has not ended.
     """
     phase = outcome.get("phase")
-    if phase not in TERMINAL:
+    if not protocol.is_terminal(phase):
         return {}
     log = outcome.get("trainer_log") or {}
     record = outcome.get("progress") or {}
@@ -411,7 +337,7 @@ def job_status_lines(outcome: Mapping[str, Any], job: str) -> list[str]:
         rank = f" rank {node['rank']}" if node.get("rank") is not None else ""
         lines.append(
             f"  {host}{rank}: {state}"
-            + (" (processes left)" if node.get("active") and state in TERMINAL else "")
+            + (" (processes left)" if node.get("active") and protocol.is_terminal(state) else "")
         )
     for item in outcome.get("restarts") or []:
         after = item.get("after") or {}

@@ -8,6 +8,10 @@ import subprocess
 from typing import Any
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.llama.cluster.plugins.module_utils.llama_job.protocol import (
+    leading,
+    progress_line,
+)
 from ansible_collections.llama.cluster.plugins.module_utils.trainer_log import (
     log_figures,
     parse_records,
@@ -107,48 +111,6 @@ trainer_log:
 """
 
 
-def describe(rank: dict[str, Any]) -> str:
-    """One progress line from a rank's status."""
-    phase = rank.get("phase", "?")
-    record = rank.get("progress") or {}
-    restarts = len(rank.get("restarts") or [])
-    budget = rank.get("max_restarts") or 0
-    tail = f"  (restart {restarts} of {budget})" if restarts else ""
-    if phase == "restarting":
-        reason = rank.get("reason") or {}
-        return (
-            f"restarting after {reason.get('node')}: {reason.get('message')} "
-            f"(restart {restarts + 1} of {budget})"
-        )
-    if phase in ("starting", "waiting") and not record:
-        peers = rank.get("peers") or {}
-        joined = sum(1 for p in peers.values() if p.get("connected"))
-        return f"starting: {joined} of {len(peers)} other nodes joined{tail}"
-    if not record:
-        return f"{phase}{tail}"
-    parts = [f"step {record.get('current_steps', '?')}/{record.get('total_steps', '?')}"]
-    if isinstance(record.get("percentage"), int | float):
-        parts[0] += f" ({record['percentage']:.0f}%)"
-    if isinstance(record.get("loss"), int | float):
-        parts.append(f"loss {record['loss']:.4f}")
-    if isinstance(record.get("lr"), int | float):
-        parts.append(f"lr {record['lr']:.2e}")
-    if record.get("throughput"):
-        parts.append(f"{record['throughput']:.0f} tokens/s")
-    if record.get("elapsed_time"):
-        parts.append(f"elapsed {record['elapsed_time']}")
-    if record.get("remaining_time"):
-        parts.append(f"eta {record['remaining_time']}")
-    if phase != "running":
-        parts.insert(0, phase)
-    return "  ".join(parts) + tail
-
-
-def leading(ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    """The rank whose view speaks for the job here: the master's, else the first."""
-    return next((r for r in ranks if r.get("role") == "master"), ranks[0] if ranks else {})
-
-
 def trainer_log(path: str) -> dict[str, Any]:
     """The last attempt's figures of the trainer log at `path`; {} when there is none here."""
     if not path:
@@ -195,6 +157,28 @@ def main() -> None:
         supports_check_mode=False,
     )
     params = module.params
+    try:
+        done = subprocess.run(argv_for(params), capture_output=True, text=True, check=False)
+    except OSError as err:
+        module.fail_json(
+            msg=f"cannot run {params['bin']} on this node ({err}): jobs run under llama-job, "
+            "which provisioning installs (ansible-playbook provision.yml, or --tags job_supervisor)"
+        )
+    try:
+        result = json.loads(done.stdout.strip().splitlines()[-1]) if done.stdout.strip() else {}
+    except ValueError:
+        result = {}
+    action = params["action"]
+    if done.returncode != 0 or "error" in result:
+        module.fail_json(
+            msg=result.get("error") or f"llama-job {action} failed: {done.stderr.strip()[-2000:]}",
+            rc=done.returncode,
+        )
+    module.exit_json(**reshape(result, params))
+
+
+def argv_for(params: dict[str, Any]) -> list[str]:
+    """The llama-job command line of a task's parameters."""
     action = params["action"]
     argv = [params["bin"], action]
     if action == "start":
@@ -210,27 +194,18 @@ def main() -> None:
         argv.append("--active")
     for port in params["ports"] if action == "ports" else ():
         argv += ["--port", str(port)]
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, check=False)
-    except OSError as err:
-        module.fail_json(
-            msg=f"cannot run {params['bin']} on this node ({err}): jobs run under llama-job, "
-            "which provisioning installs (ansible-playbook provision.yml, or --tags job_supervisor)"
-        )
-    try:
-        result = json.loads(done.stdout.strip().splitlines()[-1]) if done.stdout.strip() else {}
-    except ValueError:
-        result = {}
-    if done.returncode != 0 or "error" in result:
-        module.fail_json(
-            msg=result.get("error") or f"llama-job {action} failed: {done.stderr.strip()[-2000:]}",
-            rc=done.returncode,
-        )
+    return argv
+
+
+def reshape(result: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """What llama-job printed, with the task's changed, and for status and wait the leading
+    rank's phase, progress line and failed node (the protocol's status shape)."""
+    action = params["action"]
     result["changed"] = action == "start" or bool(action == "stop" and result.get("stopped"))
     if action in ("status", "wait"):
         lead = leading(result.get("ranks") or [])
         result["phase"] = lead.get("phase", "unknown") if lead else "unknown"
-        result["progress"] = describe(lead) if lead else f"no job {params['job']} on this node"
+        result["progress"] = progress_line(lead) if lead else f"no job {params['job']} on this node"
         result["progress_data"] = lead.get("progress") or {}
         reason = lead.get("reason") or {}
         failed = result["phase"] == "failed" and reason.get("node")
@@ -238,7 +213,7 @@ def main() -> None:
         result["done"] = bool(result.get("reached")) if action == "wait" else True
     if action == "status":
         result["trainer_log"] = trainer_log(params["progress_file"])
-    module.exit_json(**result)
+    return result
 
 
 if __name__ == "__main__":

@@ -1,0 +1,267 @@
+"""Root's side of the contract: start, stop, status, list, wait, ports.
+
+Root never trusts what the job's user can write: its own records live in a directory only
+root writes, and a process is signalled only after its start time, owner and session have
+been checked against that record (launchers.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import grp
+import json
+import os
+import pwd
+import stat
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from . import protocol
+from .launchers import launcher
+from .logs import first_error_lines
+from .procs import boot_id, busy_ports, listeners
+from .spec import JobSpec, Refused, check_name, load_spec, unit_name
+from .untrusted import read_json_untrusted, tail_untrusted, write_json
+
+RECORDS = Path(os.environ.get("LLAMA_JOB_RECORDS", "/var/lib/llama-cluster/jobs"))
+
+
+def emit(data: object) -> None:
+    """Print one JSON document."""
+    sys.stdout.write(json.dumps(data, sort_keys=True) + "\n")
+    sys.stdout.flush()
+
+
+def need_root() -> None:
+    """Refuse a verb that only root may run."""
+    if os.geteuid() != 0:
+        raise Refused("this verb needs root (it manages every user's jobs)")
+
+
+def record_path(job: str, host: str) -> Path:
+    """Root's record of one node's part of a job."""
+    return RECORDS / f"{job}@{host}.json"
+
+
+def read_records(job: str | None = None) -> list[dict[str, Any]]:
+    """Root's records, of one job or of all."""
+    if not RECORDS.is_dir():
+        return []
+    found = []
+    for path in sorted(RECORDS.glob("*.json")):
+        if job is not None and not path.name.startswith(f"{job}@"):
+            continue
+        data = read_json_untrusted(path, (0,))
+        if data.get("job") and (job is None or data["job"] == job):
+            found.append(data)
+    return found
+
+
+def runner_alive(record: dict[str, Any]) -> bool:
+    """Whether the runner of a record still runs."""
+    return launcher(record["supervisor"]).alive(record)
+
+
+def leftovers(record: dict[str, Any]) -> list[int]:
+    """Processes of the job that outlived its runner."""
+    return launcher(record["supervisor"]).leftovers(record)
+
+
+def rank_status(record: dict[str, Any]) -> dict[str, Any]:
+    """What one node's part of a job is doing (protocol.rank_status, from the files here)."""
+    alive = runner_alive(record)
+    left = [] if alive else leftovers(record)
+    owners = (0, int(record["uid"]))
+    state = read_json_untrusted(record["state"], owners)
+    if state.get("job") != record["job"] or state.get("started_s", 0) < record.get("started_s", 0):
+        state = {}  # an earlier launch's state, or none yet
+    lost = not alive and not protocol.is_terminal(state.get("phase"))
+    errors = first_error_lines(tail_untrusted(record["log"], owners)) if lost else []
+    return protocol.rank_status(record, state, alive, left, errors)
+
+
+def job_status(job: str) -> dict[str, Any]:
+    """Every rank of a job on this node."""
+    ranks = [rank_status(r) for r in read_records(job)]
+    return {"job": job, "found": bool(ranks), "ranks": ranks}
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """`status --job ID`."""
+    need_root()
+    emit(job_status(check_name("job", args.job)))
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    """`list [--active]`."""
+    need_root()
+    jobs = [rank_status(r) for r in read_records()]
+    if args.active:
+        jobs = [j for j in jobs if j["active"]]
+    emit({"jobs": jobs})
+    return 0
+
+
+def cmd_ports(args: argparse.Namespace) -> int:
+    """`ports --port P ...`: who listens on those ports, and each as `start` would refuse it."""
+    found = [entry for port in args.port for entry in listeners(port)]
+    emit({"free": not found, "listeners": found, "busy": busy_ports(args.port)})
+    return 0
+
+
+def check_secret_file(path: str, entry: pwd.struct_passwd) -> None:
+    """Refuse a secret environment file that anyone but the job's user could read or replace."""
+    if not path:
+        return
+    try:
+        info = os.lstat(path)
+    except OSError as err:
+        raise Refused(f"the secret environment file {path} is missing: {err.strerror}") from err
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != entry.pw_uid or info.st_mode & 0o077:
+        raise Refused(
+            f"the secret environment file {path} must be a regular file of {entry.pw_name} that "
+            f"only it can read (mode 0600; it is {stat.filemode(info.st_mode)}, uid {info.st_uid})"
+        )
+
+
+def _account(user: str, group: str) -> tuple[pwd.struct_passwd, int]:
+    try:
+        entry = pwd.getpwnam(user)
+    except KeyError as err:
+        raise Refused(f"no user {user} on this node") from err
+    if not group:
+        return entry, entry.pw_gid
+    try:
+        return entry, grp.getgrnam(group).gr_gid
+    except KeyError as err:
+        raise Refused(f"no group {group} on this node") from err
+
+
+def _refuse_busy(spec: JobSpec) -> None:
+    old = read_json_untrusted(record_path(spec.job, spec.host), (0,))
+    if old and (runner_alive(old) or leftovers(old)):
+        raise Refused(f"job {spec.job} already runs on {spec.host} ({old['unit']}): stop it first")
+    busy = busy_ports(list(spec.ports))
+    if busy:
+        raise Refused(
+            f"{spec.host}: {'; '.join(busy)}. The job needs these ports free before any rank "
+            "starts: stop that process, or choose other ports (master_port, watchdog_port)."
+        )
+
+
+def new_record(
+    spec: JobSpec, args: argparse.Namespace, entry: pwd.struct_passwd, gid: int, supervisor: str
+) -> dict[str, Any]:
+    """Root's record of a launch, before it starts."""
+    now = time.time()
+    return {
+        "version": protocol.VERSION,
+        "job": spec.job,
+        "host": spec.host,
+        "rank": spec.rank,
+        "unit": unit_name(spec.job, spec.rank),
+        "supervisor": supervisor,
+        "user": args.user,
+        "uid": entry.pw_uid,
+        "gid": gid,
+        "spec": os.path.realpath(args.spec),
+        "state": spec.state,
+        "log": spec.log,
+        "boot_id": boot_id(),
+        "started_s": now,
+        "started": protocol.iso(now),
+        "stop_requested": False,
+        "exclusive": spec.exclusive,
+    }
+
+
+def self_path() -> str:
+    """This program's file (the zipapp), which the runner is started from."""
+    return os.path.realpath(sys.argv[0])
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    """`start`: launch this node's runner of a job."""
+    need_root()
+    spec = load_spec(args.spec, require_root=True)
+    entry, gid = _account(args.user, args.group)
+    check_secret_file(spec.secret_env_file, entry)
+    _refuse_busy(spec)
+    chosen = launcher(args.supervisor)
+    RECORDS.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(RECORDS, 0o700)
+    record = new_record(spec, args, entry, gid, chosen.name)
+    argv = [sys.executable, self_path(), "run", "--spec", record["spec"]]
+    chosen.launch(record, record_path(spec.job, spec.host), spec, argv)
+    started = wait_for_runner(record)
+    emit(
+        {
+            "job": spec.job,
+            "host": spec.host,
+            "rank": spec.rank,
+            "unit": record["unit"],
+            "supervisor": chosen.name,
+            **started,
+        }
+    )
+    return 0
+
+
+def wait_for_runner(record: dict[str, Any], timeout: float = 15.0) -> dict[str, Any]:
+    """Return once the runner has written its state; refuse with its log if it died first."""
+    started = time.monotonic()
+    while time.monotonic() < started + timeout:
+        state = read_json_untrusted(record["state"], (0, int(record["uid"])))
+        if state.get("job") == record["job"] and state.get("started_s", 0) >= record["started_s"]:
+            return {"phase": state.get("phase"), "pid": state.get("pid")}
+        if time.monotonic() > started + 1 and not runner_alive(record):
+            words = launcher(record["supervisor"]).last_words(record)
+            raise Refused(
+                f"the runner of {record['job']} on {record['host']} ended at once: "
+                + " | ".join(words.strip().splitlines()[-8:])
+            )
+        time.sleep(0.1)
+    return {"phase": "starting", "pid": None}
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    """`stop --job ID`: end this node's part of a job (the runner tells its peers)."""
+    need_root()
+    job = check_name("job", args.job)
+    stopped = []
+    for record in read_records(job):
+        was_active = runner_alive(record) or bool(leftovers(record))
+        if was_active:
+            record["stop_requested"] = True
+            write_json(record_path(record["job"], record["host"]), record, 0o600)
+            stopped.append(record["host"])
+        if was_active or record["supervisor"] == "process":
+            launcher(record["supervisor"]).stop(record, args.timeout)
+    status = job_status(job)
+    emit({"job": job, "stopped": stopped, "ranks": status["ranks"]})
+    return 0
+
+
+def cmd_wait(args: argparse.Namespace) -> int:
+    """`wait --job ID --until running|ended`: status once it holds, or after the timeout."""
+    need_root()
+    job = check_name("job", args.job)
+    deadline = time.monotonic() + args.timeout
+    while True:
+        status = job_status(job)
+        ranks = status["ranks"]
+        ended = bool(ranks) and all(
+            protocol.is_terminal(r["phase"]) and not r["active"] for r in ranks
+        )
+        running = ended or any(
+            r["phase"] == protocol.Phase.RUNNING.value or protocol.is_terminal(r["phase"])
+            for r in ranks
+        )
+        reached = ended if args.until == "ended" else running
+        if reached or time.monotonic() >= deadline:
+            emit({**status, "reached": reached, "ended": ended})
+            return 0
+        time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))

@@ -1,0 +1,108 @@
+"""What a node's log and rank 0's trainer log say: the error lines, the exit status a launcher
+reports, whether a failure only echoes another node's, progress records and the stall rule."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+from typing import Any
+
+# Lines worth showing from a failed node's log, and those that only echo another node's failure.
+ERROR_LINE = re.compile(
+    r"error|exception|traceback|killed|signal \d|sig[a-z]+\)|exitcode|failed|out of memory",
+    re.IGNORECASE,
+)
+NOISE_LINE = re.compile(r"^\s*(warnings\.warn|warn\(|[-=]{8,}\s*$)", re.IGNORECASE)
+PEER_SYMPTOM = re.compile(
+    r"connection (closed|reset) by peer|broken pipe|ncclRemoteError|communicator was aborted|"
+    r"DistNetworkError|DistBackendError|socket timeout|connection refused|"
+    r"gloo/transport|recvValue|failed to recv|Timed out waiting|watchdog caught collective",
+    re.IGNORECASE,
+)
+
+
+def first_error_lines(text: str, limit: int = 12) -> list[str]:
+    """The lines that say what went wrong: error-looking lines first, else the last lines."""
+    lines = [line.rstrip() for line in text.splitlines() if line.strip()]
+    lines = [line for line in lines if not line.startswith("[llama-job")]
+    picked: list[str] = []
+    for line in lines:
+        if ERROR_LINE.search(line) and not NOISE_LINE.search(line) and line not in picked:
+            picked.append(line[:400])
+    if not picked:
+        return [line[:400] for line in lines[-limit:]]
+    return picked[:limit]
+
+
+# How a launcher reports the exit status of the process that failed (torchrun's ChildFailedError
+# summary: "exitcode : -9", and its agent's "failed (exitcode: -9)"); negative is a signal.
+REPORTED_EXIT = re.compile(r"\bexitcode\s*:\s*(-?\d+)")
+
+
+def reported_exit_status(text: str) -> int | None:
+    """The failed process's exit status as the command's output reports it, if it does."""
+    found = [int(code) for code in REPORTED_EXIT.findall(text)]
+    failed = [code for code in found if code != 0]
+    return failed[-1] if failed else None
+
+
+def is_peer_symptom(errors: list[str]) -> bool:
+    """True when a failure's lines only say that another node went away."""
+    return any(PEER_SYMPTOM.search(line) for line in errors)
+
+
+def last_record(path: str) -> dict[str, Any]:
+    """The last complete JSON line of a trainer log, or {}."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, handle.tell() - 8192))
+            lines = handle.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return {}
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            return record
+    return {}
+
+
+def median(values: list[float]) -> float:
+    """The median of a non-empty list."""
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    if len(ordered) % 2:
+        return ordered[middle]
+    return (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def stall_limit(intervals: list[float], timeouts: dict[str, float], seen_any: bool) -> float:
+    """Seconds without a new progress record after which a run counts as stalled."""
+    if not seen_any:
+        return timeouts["stall_startup"]
+    if not intervals:
+        return timeouts["stall_floor"]
+    return max(timeouts["stall_floor"], timeouts["stall_factor"] * median(intervals))
+
+
+def read_env_file(text: str) -> dict[str, str]:
+    """KEY="value" lines, as systemd's EnvironmentFile reads them."""
+    env = {}
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#") or "=" not in line:
+            continue
+        key, value = line.split("=", 1)
+        parts = shlex.split(value) if value.strip() else [""]
+        env[key.strip()] = parts[0] if parts else ""
+    return env
+
+
+def expand(arg: str, env: dict[str, str]) -> str:
+    """Replace ${NAME} with the job's environment, as systemd does in ExecStart."""
+    return re.sub(r"\$\{(\w+)\}", lambda match: env.get(match.group(1), ""), arg)

@@ -1,0 +1,297 @@
+"""Out of memory: the kernel's OOM killer (host memory) or torch's CUDA out-of-memory error.
+
+What a failed attempt ran out of, from the unit's cgroup counters, the node's counter, the
+kernel log and the command's own output; and the words that name it.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .untrusted import read_text
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+GIB = float(1 << 30)
+UNIT_BYTES = {"bytes": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+SIZE = r"([\d.]+) (bytes|B|KiB|MiB|GiB|TiB)"
+# torch's message, in both shapes (groups: tried, GPU, total, free). Since torch 2.1:
+# "Tried to allocate 2.30 GiB. GPU 0 has a total capacity of 79.10 GiB of which 400.00 MiB is free";
+# before: "Tried to allocate 20.00 MiB (GPU 0; 15.78 GiB total capacity; ...; 3.19 MiB free; ...)".
+CUDA_OOM = (
+    re.compile(
+        rf"CUDA out of memory\. Tried to allocate {SIZE}\. GPU (\d+) has a total capac\w* of "
+        rf"{SIZE} of which {SIZE} is free"
+    ),
+    re.compile(
+        rf"CUDA out of memory\. Tried to allocate {SIZE} \(GPU (\d+); {SIZE} total capacity;"
+        rf"[^)]*?; {SIZE} free"
+    ),
+)
+RANK_PREFIX = re.compile(r"^\s*\[rank(\d+)\]:")  # torch.distributed's prefix of a rank's traceback
+# torchrun's ChildFailedError summary ("rank : 1 (local_rank: 1)" then "exitcode : -9 (pid: 8393)")
+# and its agent's line ("failed (exitcode: -9) local_rank: 0 (pid: 8393) of binary").
+TORCHRUN_FAILURE = re.compile(
+    r"\brank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)"
+)
+AGENT_FAILURE = re.compile(r"failed \(exitcode:\s*(-?\d+)\)\s*local_rank:\s*\d+\s*\(pid:\s*(\d+)\)")
+# The kernel's two lines on an OOM kill (the global killer's and a memory cgroup's).
+OOM_VICTIM = re.compile(r"out of memory: Killed process (\d+) \(([^)]*)\)", re.IGNORECASE)
+OOM_SUMMARY = re.compile(r"oom-kill:.*?\btask=([^,]*),pid=(\d+),uid=(\d+)")
+OOM_LINE = re.compile(r"Killed process \d+|oom-kill:")
+ANON_RSS = re.compile(r"anon-rss:(\d+)kB")
+VICTIM_UID = re.compile(r"\bUID:(\d+)")
+
+
+def counter(text: str, key: str) -> int | None:
+    """The value of a `key N` line (memory.events, memory.oom_control, /proc/vmstat)."""
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name == key and value.strip().isdigit():
+            return int(value)
+    return None
+
+
+def cgroup_dir(proc_cgroup: str, root: Path = CGROUP_ROOT) -> Path | None:
+    """The directory of a process's memory cgroup, from its /proc/<pid>/cgroup.
+
+    The v1 memory controller's hierarchy where it is mounted, else the unified (v2) one.
+    """
+    unified = None
+    for line in proc_cgroup.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        relative = parts[2].strip().lstrip("/")
+        if "memory" in parts[1].split(","):
+            return root / "memory" / relative
+        if parts[1] == "":
+            unified = root / relative
+    return unified
+
+
+def unit_cgroup(unit: str, proc_cgroup: str, root: Path = CGROUP_ROOT) -> Path | None:
+    """The memory cgroup systemd made for a unit, when this process runs in it; else None."""
+    directory = cgroup_dir(proc_cgroup, root)
+    return directory if directory is not None and directory.name == f"{unit}.service" else None
+
+
+def cgroup_oom_kills(directory: Path) -> int | None:
+    """Processes of a cgroup the OOM killer has killed (v2 memory.events, v1 memory.oom_control)."""
+    for name in ("memory.events", "memory.oom_control"):
+        found = counter(read_text(directory / name), "oom_kill")
+        if found is not None:
+            return found
+    return None
+
+
+def oom_counters(cgroup: Path | None, vmstat: Path = Path("/proc/vmstat")) -> dict[str, int | None]:
+    """OOM kills so far: on the node (since boot) and in the job's cgroup (None: unknown)."""
+    return {
+        "node": counter(read_text(vmstat), "oom_kill"),
+        "cgroup": cgroup_oom_kills(cgroup) if cgroup is not None else None,
+    }
+
+
+def memory_figures(
+    cgroup: Path | None, meminfo: Path = Path("/proc/meminfo")
+) -> dict[str, int | None]:
+    """The node's memory and, when known, the job cgroup's limit and peak use, in bytes."""
+
+    def number(*names: str) -> int | None:
+        for name in names:
+            text = read_text(cgroup / name).strip() if cgroup is not None else ""
+            if text.isdigit():
+                return int(text) if int(text) < 1 << 60 else None  # v1 says "no limit" so
+        return None
+
+    total = next(
+        (int(line.split()[1]) * 1024 for line in read_text(meminfo).splitlines()
+         if line.startswith("MemTotal:") and line.split()[1].isdigit()),
+        None,
+    )  # fmt: skip
+    return {
+        "total": total,
+        "limit": number("memory.max", "memory.limit_in_bytes"),
+        "peak": number("memory.peak", "memory.max_usage_in_bytes"),
+    }
+
+
+def kernel_oom_kills(text: str, pids: set[int], uid: int | None = None) -> list[dict[str, Any]]:
+    """The OOM killer's victims among `pids` in kernel log text, in the log's order.
+
+    Each: pid, process name and, where the kernel printed them, its uid and anonymous resident
+    memory in bytes. A victim of another uid than `uid` is not the job's (a reused pid).
+    """
+    found: dict[int, dict[str, Any]] = {}
+    for line in text.splitlines():
+        killed, summary = OOM_VICTIM.search(line), OOM_SUMMARY.search(line)
+        if killed:
+            rss, owner = ANON_RSS.search(line), VICTIM_UID.search(line)
+            entry = {
+                "pid": int(killed.group(1)),
+                "process": killed.group(2),
+                "uid": int(owner.group(1)) if owner else None,
+                "rss": int(rss.group(1)) * 1024 if rss else None,
+            }
+        elif summary:
+            entry = {
+                "pid": int(summary.group(2)),
+                "process": summary.group(1),
+                "uid": int(summary.group(3)),
+                "rss": None,
+            }
+        else:
+            continue
+        if entry["pid"] in pids:
+            merged = found.setdefault(entry["pid"], entry)
+            merged.update({k: v for k, v in entry.items() if merged.get(k) is None})
+    return [e for e in found.values() if uid is None or e["uid"] in (None, uid)]
+
+
+def read_kernel_log(since: float) -> str | None:
+    """Kernel messages since a time: the journal's, else the ring buffer's (None: unreadable)."""
+    journal = None
+    sources = (
+        ["journalctl", "-k", "-q", "--no-pager", "-o", "cat", f"--since=@{int(since)}"],
+        ["dmesg"],
+    )
+    for command in sources:
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=10, check=False)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if done.returncode != 0:
+            continue
+        if OOM_LINE.search(done.stdout) or command[0] == "dmesg":
+            return done.stdout
+        journal = done.stdout  # an empty journal may only mean this user may not read it
+    return journal or None
+
+
+def reported_failures(text: str) -> list[dict[str, Any]]:
+    """The failed processes a launcher's output names: rank (when it says), exit status, pid."""
+    found: dict[int, dict[str, Any]] = {}
+    for rank, code, pid in TORCHRUN_FAILURE.findall(text):
+        found[int(pid)] = {"rank": int(rank), "exit_status": int(code), "pid": int(pid)}
+    for code, pid in AGENT_FAILURE.findall(text):
+        found.setdefault(int(pid), {"rank": None, "exit_status": int(code), "pid": int(pid)})
+    return [entry for entry in found.values() if entry["exit_status"] != 0]
+
+
+def oom_kill_evidence(
+    before: dict[str, int | None],
+    after: dict[str, int | None],
+    kernel_log: Callable[[], str | None],
+    pids: set[int],
+    uid: int | None,
+) -> dict[str, Any] | None:
+    """Whether the OOM killer killed one of `pids` (a job's processes that died by SIGKILL).
+
+    The job cgroup's counter decides when there is one; else the node's counter says whether
+    the killer ran at all, and the kernel log whom it killed. The log is read only when needed.
+    Returns {"source": "cgroup" | "kernel log" | "node", "victim": {...} | None}, or None.
+    """
+
+    def rose(key: str) -> bool | None:
+        old, new = before.get(key), after.get(key)
+        return None if old is None or new is None else new > old
+
+    in_cgroup, on_node = rose("cgroup"), rose("node")
+    if in_cgroup is False or (in_cgroup is None and on_node is False):
+        return None
+    text = kernel_log()
+    victims = kernel_oom_kills(text or "", pids, uid)
+    if in_cgroup or victims:
+        return {"source": "cgroup" if in_cgroup else "kernel log", "victim": (victims or [None])[0]}
+    if on_node and text is None:
+        return {"source": "node", "victim": None}  # it ran; the log that says whom is unreadable
+    return None
+
+
+def gib(value: object) -> float | None:
+    """Bytes as GiB with one decimal (None for anything but a number)."""
+    return round(value / GIB, 1) if isinstance(value, (int, float)) else None
+
+
+def host_oom_cause(
+    evidence: dict[str, Any], failures: list[dict[str, Any]], memory: dict[str, int | None]
+) -> dict[str, Any]:
+    """The cause record of an OOM kill: which rank or process, and the memory figures."""
+    victim = evidence.get("victim") or {}
+    killed = [f for f in failures if f["exit_status"] == -signal.SIGKILL]
+    if victim:
+        rank = next((f["rank"] for f in killed if f["pid"] == victim["pid"]), None)
+    else:
+        rank = killed[0]["rank"] if killed else None
+    total, limit = memory.get("total"), memory.get("limit")
+    by_unit = limit is not None and (total is None or limit < total)
+    return {
+        "kind": "host_oom",
+        "source": evidence["source"],
+        "rank": rank,
+        "pid": victim.get("pid"),
+        "process": victim.get("process"),
+        "rss_gib": gib(victim.get("rss")),
+        "peak_gib": gib(memory.get("peak")),
+        "total_gib": gib(limit if by_unit else total),
+        "limit": "unit" if by_unit else "host",
+    }
+
+
+def cuda_oom(text: str, failures: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The first CUDA out-of-memory error in a log: its rank, GPU and figures in GiB."""
+    for line in text.splitlines():
+        found = next((m for p in CUDA_OOM if (m := p.search(line))), None)
+        if found is None:
+            continue
+        prefix = RANK_PREFIX.match(line)
+        failed = [f["rank"] for f in failures if f["rank"] is not None]
+        return {
+            "kind": "gpu_oom",
+            "rank": int(prefix.group(1)) if prefix else (failed[0] if failed else None),
+            "gpu": int(found.group(3)),
+            "tried_gib": gib(float(found.group(1)) * UNIT_BYTES[found.group(2)]),
+            "free_gib": gib(float(found.group(6)) * UNIT_BYTES[found.group(7)]),
+            "total_gib": gib(float(found.group(4)) * UNIT_BYTES[found.group(5)]),
+        }
+    return None
+
+
+def describe_cause(cause: dict[str, Any], node: str, step: object = None) -> str:
+    """A failure's cause in words, naming the rank (or process) and the node."""
+    rank, pid = cause.get("rank"), cause.get("pid")
+    who = (
+        f"rank {rank}"
+        if rank is not None
+        else f"pid {pid} ({cause.get('process')})"
+        if pid is not None
+        else "a process of the job"
+    )
+    if cause.get("kind") == "gpu_oom":
+        when = f" after step {step}" if step is not None else ""
+        return (
+            f"{who} on {node} ran out of GPU memory{when}: tried to allocate "
+            f"{cause.get('tried_gib')} GiB, {cause.get('free_gib')} of {cause.get('total_gib')} "
+            "GiB free"
+        )
+    total = cause.get("total_gib")
+    if cause.get("source") == "node":
+        return (
+            f"{who} on {node} was killed as the kernel's OOM killer ran there (host memory: "
+            f"{total} GiB; the kernel log, which names its victim, is not readable to the job)"
+        )
+    budget = "its unit's memory limit" if cause.get("limit") == "unit" else "host memory"
+    if total is None:
+        figures = ""
+    elif cause.get("peak_gib") is not None:
+        figures = f": {cause['peak_gib']} of {total} GiB in use"
+    elif cause.get("rss_gib") is not None:
+        figures = f": it held {cause['rss_gib']} of {total} GiB"
+    else:
+        figures = f" ({total} GiB)"
+    return f"the kernel killed {who} on {node} for {budget}{figures} (OOM killer)"

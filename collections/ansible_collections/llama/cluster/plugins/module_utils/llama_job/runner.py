@@ -1,0 +1,243 @@
+"""What the master's and a worker's runner share: the node's log, the command's environment,
+the state file that `status` reads, the failure records, and the run loop's frame."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import queue
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from .checkpoints import resume_argument, set_aside
+from .command import Command, Ended
+from .launchers import current_limits
+from .logs import read_env_file
+from .oom import describe_cause
+from .protocol import VERSION, Phase, describe_exit, iso
+from .spec import JobSpec
+from .untrusted import read_untrusted, write_json
+
+
+class NodeRunner:
+    """Runs this node's command for a job and records where it stands."""
+
+    def __init__(self, spec: JobSpec) -> None:
+        self.spec = spec
+        self.t = spec.timeouts
+        self.host = spec.host
+        self.events: queue.Queue = queue.Queue()
+        self.log = open(spec.log, "ab", buffering=0)  # noqa: SIM115 - lives as long as the runner
+        os.chmod(spec.log, 0o640)
+        self.command = Command(spec, self.environment(), self.log, self.say)
+        self.attempt = 1
+        self.phase = Phase.STARTING
+        self.phase_since = time.monotonic()
+        self.reason: dict[str, Any] | None = None
+        self.restarts: list[dict[str, Any]] = []
+        self.stop_requested = False
+        self.started_s = time.time()
+        self.progress: dict[str, Any] = {}
+        self.limits = current_limits()
+        self.last_state_write = 0.0
+        self.resume_from: str | None = None  # the checkpoint this attempt resumes from
+
+    # -- plumbing -------------------------------------------------------------------------------
+    def say(self, text: str) -> None:
+        """A line of the runner's own in the node's log."""
+        stamp = time.strftime("%H:%M:%S", time.gmtime())
+        with contextlib.suppress(OSError):
+            self.log.write(f"[llama-job {self.host} {stamp}Z] {text}\n".encode())
+
+    def environment(self) -> dict[str, str]:
+        """The command's environment: the job's env file over the user's basics."""
+        text = read_untrusted(self.spec.env_file, (0, os.getuid())) or ""
+        entry = pwd.getpwuid(os.getuid())
+        env = {"USER": entry.pw_name, "LOGNAME": entry.pw_name, "HOME": entry.pw_dir}
+        env["PATH"] = os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin")
+        # Keys (tracking, API) reach the command's environment only: never the log or the job dir.
+        if self.spec.secret_env_file:
+            secret = read_untrusted(self.spec.secret_env_file, (os.getuid(),)) or ""
+            env.update(read_env_file(secret))
+        env.update(read_env_file(text))
+        env.update(LLAMA_JOB_ID=self.spec.job, LLAMA_JOB_HOST=self.host)
+        return env
+
+    def peers_state(self, now: float) -> dict[str, Any]:
+        """The peers as the state file reports them (the master's)."""
+        return {}
+
+    def write_state(self, force: bool = True) -> None:
+        """The runner's state file: what status reports for this node."""
+        now = time.monotonic()
+        if not force and now - self.last_state_write < 1.0:
+            return
+        self.last_state_write = now
+        state = {
+            "version": VERSION,
+            "job": self.spec.job,
+            "host": self.host,
+            "rank": self.spec.rank,
+            "role": self.spec.role,
+            "phase": self.phase.value,
+            "attempt": self.attempt,
+            "max_restarts": self.spec.max_restarts,
+            "restarts": self.restarts,
+            "exit_status": self.command.exit_status,
+            "reason": self.reason,
+            "progress": self.progress,
+            "peers": self.peers_state(now),
+            "limits": self.limits,
+            "pid": os.getpid(),
+            "child": self.command.pid,
+            "started_s": self.started_s,
+            "started": iso(self.started_s),
+            "updated": iso(time.time()),
+            "ended": iso(time.time()) if self.phase.is_terminal() else None,
+        }
+        with contextlib.suppress(OSError):
+            write_json(Path(self.spec.state), state)
+
+    def set_phase(self, phase: Phase) -> None:
+        """Move to a phase and record it."""
+        if phase != self.phase:
+            self.phase = phase
+            self.phase_since = time.monotonic()
+        self.write_state()
+
+    # -- failures -------------------------------------------------------------------------------
+    def explained(self, message: str, cause: dict[str, Any] | None, node: str | None = None) -> str:
+        """A failure's message with its cause first, when one is known.
+
+        The step is the last one in rank 0's progress file, which only the master follows.
+        """
+        if not cause:
+            return message
+        step = self.progress.get("current_steps")
+        return f"{describe_cause(cause, node or self.host, step)}; {message}"
+
+    def reason_for(
+        self, kind: str, message: str, node: str | None = None, **extra: object
+    ) -> dict[str, Any]:
+        """A failure record."""
+        node = node or self.host
+        rank = self.spec.rank if node == self.host else extra.pop("rank", None)
+        return {
+            "node": node,
+            "rank": rank,
+            "kind": kind,
+            "exit_status": extra.pop("exit_status", None),
+            "message": message,
+            "errors": extra.pop("errors", []),
+            "cause": extra.pop("cause", None),
+            "at": iso(time.time()),
+            "at_s": time.time(),
+            "attempt": self.attempt,
+            **extra,
+        }
+
+    def reported(self, ended: Ended) -> tuple[str, dict[str, Any]]:
+        """The message and record of a failure the command's output reported."""
+        message = f"its command reported a failure ({ended.reported})"
+        if ended.code is not None:
+            message += f": a process {describe_exit(ended.code)}"
+        self.say(f"attempt {self.attempt}: {self.explained(message, ended.cause)}")
+        reason = self.reason_for(
+            "exited",
+            self.explained(message, ended.cause),
+            errors=ended.errors,
+            exit_status=ended.code,
+            cause=ended.cause,
+        )
+        return message, reason
+
+    # -- restarts -----------------------------------------------------------------------------
+    def prepare_restart(self, attempt: int, plan: dict[str, Any]) -> None:
+        """Before a restart: move this node's checkpoints newer than the common one aside (into
+        <run dir>/set-aside/restart-<attempt>/, never deleting one) and note the checkpoint."""
+        directory = self.spec.checkpoints_dir
+        if not directory:
+            return
+        checkpoint = plan.get("checkpoint")
+        self.resume_from = checkpoint if isinstance(checkpoint, str) else None
+        names = (plan.get("set_aside") or {}).get(self.host) or []
+        target = os.path.join(os.path.dirname(directory), "set-aside", f"restart-{attempt}")
+        moved = set_aside(directory, [str(n) for n in names], target)
+        if moved:
+            self.say(f"set aside {', '.join(moved)} (not on every node, or cut off) in {target}")
+        self.say(f"attempt {attempt} resumes from {self.resume_from or 'the beginning'}")
+
+    def start_command(self) -> Ended | None:
+        """Start this attempt's command, passing the checkpoint it resumes from."""
+        extra = resume_argument(
+            self.spec.resume_argument, self.spec.checkpoints_dir, self.resume_from
+        )
+        return self.command.start(self.attempt, extra)
+
+    # -- the run loop -----------------------------------------------------------------------
+    def on_signal(self, signum: int, _frame: object) -> None:
+        """SIGTERM/SIGINT: a stop was requested (llama-job stop, systemctl stop)."""
+        self.events.put(("stop", None, {"signal": signum}))
+
+    def drain_events(self, wait: float) -> None:
+        """Handle what arrived (messages, lost connections, stop requests)."""
+        deadline = time.monotonic() + wait
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                kind, link, data = self.events.get(timeout=max(0.0, remaining))
+            except queue.Empty:
+                return
+            self.on_event(kind, link, data)
+            if remaining <= 0:
+                return
+
+    def on_event(self, kind: str, link: Any, data: dict[str, Any] | None) -> None:  # noqa: ANN401
+        """One event (role-specific)."""
+        raise NotImplementedError
+
+    def on_command(self, ended: Ended) -> None:
+        """The command ended or reported a failure (role-specific)."""
+        raise NotImplementedError
+
+    def tick(self, now: float) -> None:
+        """Heartbeats and timers (role-specific)."""
+        raise NotImplementedError
+
+    def begin(self) -> bool:
+        """Set up before the loop; False when the runner cannot run."""
+        return True
+
+    def finish(self) -> None:
+        """After the loop (role-specific)."""
+
+    def run(self) -> int:
+        """The runner's life: a short loop over events, the command and the clocks."""
+        signal.signal(signal.SIGTERM, self.on_signal)
+        signal.signal(signal.SIGINT, self.on_signal)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        self.say(
+            f"job {self.spec.job} rank {self.spec.rank} ({self.spec.role}), "
+            f"supervisor {os.environ.get('LLAMA_JOB_SUPERVISOR', 'none (started by hand)')}, "
+            f"limits memlock={self.limits['memlock']} nofile={self.limits['nofile']}, "
+            f"restarts allowed: {self.spec.max_restarts}"
+        )
+        self.write_state()
+        try:
+            if not self.begin():
+                return 1
+            while not self.phase.is_terminal():
+                self.drain_events(0.2)
+                ended = self.command.poll()
+                if ended is not None:
+                    self.on_command(ended)
+                self.tick(time.monotonic())
+                self.write_state(force=False)
+            self.finish()
+            return 0 if self.phase is Phase.SUCCEEDED else 1
+        finally:
+            self.command.signal_tree(signal.SIGKILL)
+            self.write_state()

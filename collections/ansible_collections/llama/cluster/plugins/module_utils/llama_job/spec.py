@@ -1,0 +1,242 @@
+"""The job's specification (written by roles/job, read by `start` and by the runner), checked
+once into dataclasses: nothing after load_spec looks at the raw JSON again."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from .untrusted import read_untrusted
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+DEFAULT_TIMEOUTS = {
+    "start": 300.0,  # the master's command must listen on the gate port and every peer join
+    "heartbeat": 2.0,  # seconds between heartbeats
+    "peer": 30.0,  # a peer silent for this long has vanished
+    "stop": 10.0,  # SIGTERM, then SIGKILL after this long
+    "restart": 120.0,  # how long a restart waits for every node to be back
+    "settle": 2.0,  # how long other failures are collected before naming the first
+    "stall_startup": 1800.0,  # no first progress record within this long: stalled
+    "stall_floor": 600.0,  # the least time without a new record that counts as a stall
+    "stall_factor": 10.0,  # ... or this many times the median time between records
+}
+DEFAULT_LIMITS = {"memlock": "infinity", "nofile": 1048576}
+
+
+class Refused(Exception):
+    """A request that cannot be carried out; the message says why and what to do."""
+
+
+def check_name(kind: str, value: object) -> str:
+    """A job id or host name safe in a unit name and a file name."""
+    if not isinstance(value, str) or not NAME_RE.match(value):
+        raise Refused(f"{kind} {value!r} must be letters, digits, '.', '_' or '-'")
+    return value
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """The job's clocks, in seconds (DEFAULT_TIMEOUTS says what each is)."""
+
+    start: float
+    heartbeat: float
+    peer: float
+    stop: float
+    restart: float
+    settle: float
+    stall_startup: float
+    stall_floor: float
+    stall_factor: float
+
+    @classmethod
+    def from_spec(cls, path: str, given: object) -> Timeouts:
+        """The spec's timeouts over the defaults; each a positive number."""
+        merged = {**DEFAULT_TIMEOUTS, **(given if isinstance(given, Mapping) else {})}
+        for key in DEFAULT_TIMEOUTS:
+            value = merged[key]
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise Refused(f"{path}: timeouts.{key} must be a positive number of seconds")
+        return cls(**{key: float(merged[key]) for key in DEFAULT_TIMEOUTS})
+
+    def as_dict(self) -> dict[str, float]:
+        """The timeouts by name."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Master:
+    """Rank 0's node: its inventory name and the address its peers reach it on."""
+
+    host: str
+    address: str
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One node's part of a job."""
+
+    job: str
+    host: str
+    rank: int
+    nnodes: int
+    role: str  # master or worker
+    watchdog_port: int
+    max_restarts: int
+    cwd: str
+    log: str
+    state: str
+    env_file: str
+    command: tuple[str, ...]
+    master: Master
+    timeouts: Timeouts
+    token: str = ""  # the job's secret: the key of every message on the watchdog port
+    peers: tuple[str, ...] = ()
+    ports: tuple[int, ...] = ()
+    gate_port: int | None = None
+    master_port: int | None = None
+    progress_file: str = ""
+    fail_patterns: tuple[str, ...] = ()
+    limits: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_LIMITS))
+    exclusive: bool = True
+    secret_env_file: str = ""
+    # Automatic restarts resume from one checkpoint on every node (checkpoints.py): the directory
+    # of this node's checkpoint-N ("" for a job without checkpoints), the argument that passes
+    # the checkpoint to the command ("{checkpoint}" is its path), and whether each node's
+    # checkpoint holds only its own ranks' state.
+    checkpoints_dir: str = ""
+    resume_argument: str = ""
+    sharded: bool = False
+
+    @property
+    def is_master(self) -> bool:
+        """Whether this node's runner coordinates the job."""
+        return self.role == "master"
+
+    @property
+    def key(self) -> bytes:
+        """The key of the job's messages."""
+        return self.token.encode()
+
+    def __getitem__(self, name: str) -> Any:  # noqa: ANN401 - one of the fields
+        """A field by name, as the spec's JSON names it."""
+        if name not in {f.name for f in fields(self)}:
+            raise KeyError(name)
+        return getattr(self, name)
+
+
+def _integers(path: str, raw: Mapping[str, Any]) -> None:
+    for key in ("rank", "nnodes", "watchdog_port", "max_restarts"):
+        value = raw.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise Refused(f"{path}: {key} must be a non-negative integer")
+
+
+def _paths(path: str, raw: Mapping[str, Any]) -> None:
+    for key in ("cwd", "log", "state", "env_file"):
+        if not isinstance(raw.get(key), str) or not raw[key].startswith("/"):
+            raise Refused(f"{path}: {key} must be an absolute path")
+    for key in ("secret_env_file", "checkpoints_dir"):
+        given = raw.get(key, "")
+        if not isinstance(given, str) or (given and not given.startswith("/")):
+            raise Refused(f"{path}: {key} must be an absolute path or empty")
+    argument = raw.get("resume_argument", "")
+    if not isinstance(argument, str) or (argument and "{checkpoint}" not in argument):
+        raise Refused(f"{path}: resume_argument must hold {{checkpoint}} (or be empty)")
+
+
+def _command(path: str, raw: Mapping[str, Any]) -> tuple[str, ...]:
+    command = raw.get("command")
+    if not isinstance(command, list) or not command or not all(isinstance(a, str) for a in command):
+        raise Refused(f"{path}: command must be a non-empty list of strings")
+    return tuple(command)
+
+
+def _patterns(path: str, raw: Mapping[str, Any]) -> tuple[str, ...]:
+    patterns = raw.get("fail_patterns") or []
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except (re.error, TypeError) as err:
+            raise Refused(
+                f"{path}: fail_patterns: {pattern!r} is not a regular expression"
+            ) from err
+    return tuple(patterns)
+
+
+def _master(raw: Mapping[str, Any]) -> Master:
+    given = raw.get("master") if isinstance(raw.get("master"), Mapping) else {}
+    return Master(host=str(given.get("host", raw["host"])), address=str(given.get("address", "")))
+
+
+def _optional_port(value: object) -> int | None:
+    """A port the spec may leave out (null, 0 or "" for none; a number or its digits)."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value else None
+
+
+def parse_spec(path: str, raw: Mapping[str, Any]) -> JobSpec:
+    """A spec's JSON object, checked; Refused names the first problem."""
+    check_name("job", raw.get("job"))
+    check_name("host", raw.get("host"))
+    _integers(path, raw)
+    _paths(path, raw)
+    if raw.get("role") not in ("master", "worker"):
+        raise Refused(f"{path}: role must be master or worker")
+    return JobSpec(
+        job=raw["job"],
+        host=raw["host"],
+        rank=raw["rank"],
+        nnodes=raw["nnodes"],
+        role=raw["role"],
+        watchdog_port=raw["watchdog_port"],
+        max_restarts=raw["max_restarts"],
+        cwd=raw["cwd"],
+        log=raw["log"],
+        state=raw["state"],
+        env_file=raw["env_file"],
+        command=_command(path, raw),
+        master=_master(raw),
+        timeouts=Timeouts.from_spec(path, raw.get("timeouts")),
+        token=str(raw.get("token") or ""),
+        peers=tuple(str(h) for h in raw.get("peers") or []),
+        ports=tuple(int(p) for p in raw.get("ports") or []),
+        gate_port=_optional_port(raw.get("gate_port")),
+        master_port=_optional_port(raw.get("master_port")),
+        progress_file=str(raw.get("progress_file") or ""),
+        fail_patterns=_patterns(path, raw),
+        limits=dict(raw.get("limits") or DEFAULT_LIMITS),
+        exclusive=bool(raw.get("exclusive", True)),
+        secret_env_file=str(raw.get("secret_env_file") or ""),
+        checkpoints_dir=str(raw.get("checkpoints_dir") or "").rstrip("/"),
+        resume_argument=str(raw.get("resume_argument") or ""),
+        sharded=bool(raw.get("sharded", False)),
+    )
+
+
+def load_spec(path: str, require_root: bool) -> JobSpec:
+    """The job specification file, checked (root's `start` accepts only a file root owns and
+    only root can write)."""
+    owners = (0,) if require_root else (0, os.getuid())
+    text = read_untrusted(path, owners)
+    if text is None:
+        raise Refused(f"{path} is not a readable regular file owned by root")
+    try:
+        raw = json.loads(text)
+    except ValueError as err:
+        raise Refused(f"{path} is not JSON: {err}") from err
+    if not isinstance(raw, dict):
+        raise Refused(f"{path} holds no JSON object")
+    if require_root and os.stat(path).st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise Refused(f"{path} is writable by others than root")
+    return parse_spec(path, raw)
+
+
+def unit_name(job: str, rank: int) -> str:
+    """The systemd unit of one rank (also the name train_runner's tests look for)."""
+    return f"llama-{job}-rank{rank}"

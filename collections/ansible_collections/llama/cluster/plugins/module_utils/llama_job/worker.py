@@ -1,0 +1,356 @@
+"""A worker's runner: follows the master. Keeps one authenticated connection to the master's
+watchdog, starts, ends and restarts this node's command when the master says, tells it how the
+command ended, and ends the command on its own when the master goes away."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+from .checkpoints import listing
+from .command import Ended
+from .link import Link, connect, read_uplink
+from .protocol import Kind, Phase, describe_exit, is_terminal, iso
+from .runner import NodeRunner
+
+
+def reachable(address: str, port: int, within: float = 15.0) -> bool:
+    """Whether a TCP port answers (retrying for a while: rank 0 may still be binding)."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            with socket.create_connection((address, port), timeout=3):
+                return True
+        except OSError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.5)
+
+
+def final_phase(phase: object) -> Phase:
+    """The phase the master's final message names (failed for anything but an end)."""
+    return Phase(phase) if is_terminal(phase) else Phase.FAILED
+
+
+class WorkerRunner(NodeRunner):
+    """Follow the master: start, abort, restart and finish when it says."""
+
+    def __init__(self, spec: Any) -> None:  # noqa: ANN401 - a JobSpec
+        super().__init__(spec)
+        self.uplink: Link | None = None
+        self.master_host = spec.master.host
+        self.master_seen: float | None = None
+        self.master_lost_at: float | None = None
+        self.master_refused = False
+        self.last_beat = 0.0
+        self.last_tick = time.monotonic()
+        self.frozen = 0.0  # seconds this node went without CPU time, when it did
+        self.connect_deadline = time.monotonic() + self.t.start
+        self.unauthenticated = ""  # why the last watchdog that answered was not the master
+
+    def begin(self) -> bool:
+        self.set_phase(Phase.WAITING)
+        self.connect_deadline = time.monotonic() + self.t.start
+        threading.Thread(target=self.uplink_loop, daemon=True).start()
+        return True
+
+    def uplink_loop(self) -> None:
+        """Keep one connection to the master's watchdog, reconnecting while it may come back."""
+        address, port = self.spec.master.address, self.spec.watchdog_port
+        while not self.phase.is_terminal():
+            if self.uplink is not None and not self.uplink.closed:
+                time.sleep(0.2)
+                continue
+            hello = {"host": self.host, "rank": self.spec.rank, "phase": self.phase.value}
+            link, why = connect(
+                address, port, self.spec.key, self.spec.job, {**hello, "attempt": self.attempt}
+            )
+            if link is None:
+                kind = "rejected" if why.startswith("rejected: ") else "unreached"
+                self.events.put(
+                    (
+                        "refused" if why == "refused" else kind,
+                        None,
+                        {"why": why.removeprefix("rejected: ")},
+                    )
+                )
+                time.sleep(1)
+                continue
+            self.events.put(("connected", link, link.welcome))
+            read_uplink(link, self.events)  # returns once the connection ends
+
+    def send_master(self, message: dict[str, Any]) -> None:
+        """Send to the master when connected; with this node's checkpoints while its command
+        does not run (what a restart picks its checkpoint from)."""
+        if self.uplink is None:
+            return
+        if self.spec.checkpoints_dir and not self.command.running():
+            message = {**message, "checkpoints": listing(self.spec.checkpoints_dir)}
+        self.uplink.send(message)
+
+    # -- events -------------------------------------------------------------------------------
+    def on_event(self, kind: str, link: Link | None, data: dict[str, Any] | None) -> None:
+        if kind == "stop":
+            self.stop()
+        elif kind == "connected":
+            self.uplink = link
+            self.heard_master()
+        elif kind == "refused":
+            self.master_refused = self.master_seen is not None
+        elif kind == "rejected":
+            why = f"the master refused this node: {(data or {}).get('why')}"
+            self.leave(Phase.FAILED, self.reason_for("start", why))
+        elif kind == "unreached":
+            self.note_unauthenticated(str((data or {}).get("why", "")))
+        elif kind == "eof":
+            if link is self.uplink:
+                self.uplink = None
+                if self.master_seen is not None:
+                    self.master_gone("the master's runner closed the connection")
+        elif link is self.uplink and data is not None:
+            self.heard_master()
+            self.on_message(data)
+
+    def note_unauthenticated(self, why: str) -> None:
+        """A watchdog answered that is not this job's master (said once per reason)."""
+        if "authenticate" in why and why != self.unauthenticated:
+            self.say(f"refused: {why}")
+        self.unauthenticated = why
+
+    def heard_master(self) -> None:
+        """A verified message of the master."""
+        self.master_seen = time.monotonic()
+        self.master_lost_at = None
+        self.master_refused = False
+
+    def stop(self) -> None:
+        """SIGTERM on a worker: end the command, tell the master, end."""
+        if self.stop_requested:
+            return
+        self.stop_requested = True
+        self.say("stop requested")
+        if self.command.running():
+            self.command.end("stop requested")  # its exit tells the master
+            return
+        self.send_master(
+            {
+                "t": Kind.EXIT.value,
+                "attempt": self.attempt,
+                "stopped": True,
+                "exit_status": None,
+                "rank": self.spec.rank,
+            }
+        )
+        self.leave(Phase.STOPPED, self.reason_for("stopped", "stopped on request"))
+
+    def on_message(self, data: dict[str, Any]) -> None:
+        """What the master says: start, restart, abort, final."""
+        handlers = {
+            Kind.START.value: lambda: self.start_attempt(int(data.get("attempt") or self.attempt)),
+            Kind.RESTART.value: lambda: self.restart(data),
+            Kind.ABORT.value: lambda: self.abort(data),
+            Kind.FINAL.value: lambda: self.leave(
+                final_phase(data.get("phase")), data.get("reason")
+            ),
+        }
+        handler = handlers.get(str(data.get("t")))
+        if handler is not None:
+            handler()
+
+    def restart(self, data: dict[str, Any]) -> None:
+        """The master starts the next attempt once every node is idle."""
+        after = data.get("after") or {}
+        self.restarts.append(
+            {"attempt": data.get("attempt"), "at": iso(time.time()), "after": after}
+        )
+        self.attempt = int(data.get("attempt") or self.attempt)
+        self.reason = None
+        plan = data.get("plan")
+        self.prepare_restart(self.attempt, plan if isinstance(plan, dict) else {})
+        self.say(
+            f"restart: attempt {self.attempt} (after {after.get('node')}: {after.get('message')})"
+        )
+        self.set_phase(Phase.WAITING)
+
+    def abort(self, data: dict[str, Any]) -> None:
+        """The master ends this attempt on every node."""
+        self.reason = data.get("reason")
+        if self.command.running():
+            reason = self.reason or {}
+            self.command.end(f"{reason.get('node')}: {reason.get('message')}")
+            return
+        self.send_master({"t": Kind.IDLE.value, "attempt": self.attempt})
+        if self.phase is not Phase.DONE:
+            self.set_phase(Phase.IDLE)
+
+    def start_attempt(self, attempt: int) -> None:
+        """Start this node's command for an attempt, once the master port answers."""
+        if self.command.running() or self.phase is Phase.DONE:
+            return
+        self.attempt = attempt
+        address, port = self.spec.master.address, int(self.spec.master_port or 0)
+        if port and not reachable(address, port):
+            message = (
+                f"cannot open {address}:{port} on the master {self.master_host}: "
+                "check the firewall (roles/firewall) and the route"
+            )
+            self.say(message)
+            self.reason = self.reason_for("start", message)
+            self.send_master(
+                {
+                    "t": Kind.EXIT.value,
+                    "attempt": attempt,
+                    "exit_status": None,
+                    "kind": "start",
+                    "message": message,
+                    "errors": [],
+                    "rank": self.spec.rank,
+                    "at_s": time.time(),
+                }
+            )
+            self.set_phase(Phase.IDLE)
+            return
+        self.set_phase(Phase.RUNNING)
+        failed = self.start_command()
+        if failed is not None:
+            self.on_command(failed)
+
+    # -- the local command ------------------------------------------------------------------
+    def on_command(self, ended: Ended) -> None:
+        if ended.reported:
+            message, reason = self.reported(ended)
+            self.reason = reason
+            self.send_master(
+                {
+                    "t": Kind.EXIT.value,
+                    "attempt": self.attempt,
+                    "exit_status": ended.code,
+                    "errors": ended.errors,
+                    "rank": self.spec.rank,
+                    "at_s": time.time(),
+                    "message": message,
+                    "cause": ended.cause,
+                }
+            )
+            self.command.end("it reported a failure")
+            return
+        self.command_ended(ended)
+
+    def command_ended(self, ended: Ended) -> None:
+        """This worker's command ended: tell the master."""
+        words = f"its command ended, {describe_exit(ended.code)}"
+        self.send_master(
+            {
+                "t": Kind.EXIT.value,
+                "attempt": self.attempt,
+                "exit_status": ended.code,
+                "aborted": ended.aborted and not self.stop_requested,
+                "stopped": self.stop_requested,
+                "errors": ended.errors,
+                "rank": self.spec.rank,
+                "at_s": time.time(),
+                "message": words,
+                "cause": ended.cause,
+            }
+        )
+        if self.stop_requested:
+            self.leave(Phase.STOPPED, self.reason_for("stopped", "stopped on request"))
+            return
+        if ended.code == 0 and not ended.aborted:
+            self.set_phase(Phase.DONE)
+            return
+        if not ended.aborted:
+            self.reason = self.reason_for(
+                "exited",
+                self.explained(words, ended.cause),
+                exit_status=ended.code,
+                errors=ended.errors,
+                cause=ended.cause,
+            )
+        self.set_phase(Phase.IDLE)
+
+    # -- clocks -------------------------------------------------------------------------------
+    def tick(self, now: float) -> None:
+        if now - self.last_tick > self.t.peer:
+            # This node got no CPU time (frozen, suspended): the master has given up on it.
+            self.frozen = now - self.last_tick
+            self.say(f"this node was frozen for {self.frozen:.0f} s")
+            self.master_gone(f"this node was frozen for {self.frozen:.0f} s")
+        self.last_tick = now
+        if now - self.last_beat >= self.t.heartbeat:
+            self.last_beat = now
+            self.send_master(
+                {
+                    "t": Kind.BEAT.value,
+                    "phase": self.phase.value,
+                    "attempt": self.attempt,
+                    "stopped_procs": self.command.frozen(),
+                }
+            )
+        if self.master_seen is None:
+            self.check_first_contact(now)
+        else:
+            self.check_master(now)
+
+    def check_first_contact(self, now: float) -> None:
+        """The master's watchdog must answer within the start timeout."""
+        if now <= self.connect_deadline:
+            return
+        why = f" ({self.unauthenticated})" if self.unauthenticated else ""
+        self.leave(
+            Phase.FAILED,
+            self.reason_for(
+                "start",
+                f"cannot reach the watchdog on {self.spec.master.address}:"
+                f"{self.spec.watchdog_port} (is the master's runner up, and does the "
+                f"firewall let it through?){why}",
+                node=self.master_host,
+            ),
+        )
+
+    def check_master(self, now: float) -> None:
+        """A silent master is gone; one gone for good ends this node's part."""
+        assert self.master_seen is not None
+        if now - self.master_seen > self.t.peer and self.master_lost_at is None:
+            if self.uplink is not None:
+                self.uplink.close()
+                self.uplink = None
+            self.master_gone(f"no heartbeat for {self.t.peer:.0f} s")
+        if self.master_lost_at is None or self.command.running():
+            return
+        if not self.master_refused and now - self.master_lost_at <= self.t.restart:
+            return
+        if self.phase is Phase.DONE:
+            self.leave(Phase.SUCCEEDED, None)
+            return
+        reason = self.reason
+        if not reason or reason.get("kind") != "vanished":
+            ended = " (its runner has ended)" if self.master_refused else " for good"
+            why = f"lost the master {self.master_host}{ended}"
+            reason = self.reason_for("vanished", why, node=self.master_host)
+        self.leave(Phase.FAILED, reason)
+
+    def master_gone(self, why: str) -> None:
+        """The master went silent or closed: end the command here, wait for it to come back."""
+        if self.master_lost_at is None:
+            self.master_lost_at = time.monotonic()
+            self.say(f"lost the master {self.master_host}: {why}")
+        if not self.command.running():
+            return
+        if self.frozen:
+            self.reason = self.reason_for(
+                "vanished", f"this node was frozen for {self.frozen:.0f} s"
+            )
+        else:
+            self.reason = self.reason_for("vanished", why, node=self.master_host)
+        self.command.end(f"the master {self.master_host} is gone")
+
+    def leave(self, phase: Phase, reason: dict[str, Any] | None) -> None:
+        """End this worker's part of the job."""
+        self.command.end_now("the job ended")
+        self.reason = reason
+        said = f" ({reason['node']}: {reason['message']})" if reason else ""
+        self.say(f"the job ended here: {phase.value}{said}")
+        self.set_phase(phase)
