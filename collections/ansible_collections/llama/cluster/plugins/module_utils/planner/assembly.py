@@ -186,7 +186,14 @@ def _training_args(
         record_tokens=int(settings.compile["record_tokens"]),
     )
     accelerator = "cpu" if memory.budget is None else "gpu"
-    use, why = choose_compile(accelerator, stage, steps, settings.compile)
+    use, why = choose_compile(
+        accelerator,
+        stage,
+        steps,
+        settings.compile,
+        step_seconds=cost(batch) if cost is not None else None,
+        finetuning=str(model.get("finetuning_type") or "full"),
+    )
     if use:
         computed["torch_compile"] = True
     decisions["torch_compile"] = "as set" if "torch_compile" in explicit else why

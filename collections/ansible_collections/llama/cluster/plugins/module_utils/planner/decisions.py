@@ -209,19 +209,37 @@ def estimate_steps(
 
 
 def choose_compile(
-    accelerator: str, stage: str, steps: int | None, settings: Mapping[str, Any]
+    accelerator: str,
+    stage: str,
+    steps: int | None,
+    settings: Mapping[str, Any],
+    *,
+    step_seconds: float | None = None,
+    finetuning: str = "full",
 ) -> tuple[bool, str]:
-    """torch.compile when the run is long enough to repay its compilation; never on CPUs."""
+    """torch.compile when the run is long enough to repay its compilation; never on CPUs.
+
+    With a predicted step time (the cost model's), compiling pays when the time it saves over
+    the run, `steps` x `step_seconds` x the measured saving, is at least its measured one-off
+    cost; near that point either choice costs little. Without one (no model shape), the run
+    must have `min_optimizer_steps`.
+    """
     if accelerator == "cpu":
         return False, "never on CPUs"
     if stage != "none":
         return False, "measured with plain DDP only, not with DeepSpeed or FSDP"
-    minimum = int(settings["min_optimizer_steps"])
     if steps is None:
         return False, "run length unknown: no max_steps and no dataset record count"
-    if steps < minimum:
-        return False, f"about {steps} optimizer steps, fewer than the {minimum} that repay it"
-    return (
-        True,
-        f"about {steps} optimizer steps repay ~{settings['compile_seconds']} s of compiling",
+    if step_seconds is None:
+        minimum = int(settings["min_optimizer_steps"])
+        if steps < minimum:
+            return False, f"about {steps} optimizer steps, fewer than the {minimum} that repay it"
+        return True, f"about {steps} optimizer steps (model shape unknown: at least {minimum})"
+    costs = settings["compile_seconds"]
+    cost = float(costs.get("lora" if finetuning == "lora" else "full", 0))
+    saved = steps * step_seconds * float(settings["step_saving"])
+    verdict = (
+        f"about {steps} optimizer steps of ~{step_seconds:.2f} s save ~{saved:.0f} s against "
+        f"~{cost:.0f} s of compiling"
     )
+    return saved >= cost, verdict
