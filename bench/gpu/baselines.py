@@ -15,6 +15,8 @@ Phases (each skipped, and says so, when its estimate would pass the deadline):
   (c) an expert's hand configs over LLaMA-Factory's documented options: packing, gradient
       checkpointing off, the micro-batch of a packed step, torch_compile; the best of them is (c).
   Liger kernels are left out of (c): BENCHMARKS.md section 1 measured them slower at these shapes.
+- ``cd-<goal>``: only (c3), the expert's compiled config, and (d), train.yml with no options,
+  both with a compile-sized window: does the planner reach the expert's best config?
 - ``target-<goal>``: train.yml alone (d), for the issue's targets (a 7B full fine-tune).
 - ``cap<N>-<goal>`` (``cap24-1.5b``): the same on an emulated GPU of N GiB.
 - ``fp8-<goal>``: train.yml with torch.compile, bf16 against ``fp8: true`` (torchao), same data
@@ -48,6 +50,8 @@ GOALS = {
 TARGETS = {"7bfull": 5000.0}
 # A compiled run needs its first steps for compilation before the timed window.
 COMPILE_BOX = Box(warmup=10, min_steps=10, seconds=12, cap=300)
+# A target run may load a 7B model and compile it before its window.
+TARGET_BOX = Box(warmup=8, min_steps=10, seconds=12, cap=420)
 
 # Written into the GPU-cap folder that PYTHONPATH names: it runs at start-up in every Python
 # process of a run; the cap applies in the ranks (torchrun sets LOCAL_RANK) and once per process
@@ -92,10 +96,10 @@ def parse_phase(phase: str) -> tuple[str, str, float | None]:
         kind, cap = "target", float(kind[3:])
     if kind == "setup" and not key:
         return kind, "", None
-    if kind not in ("base", "target", "fp8") or key not in GOALS:
+    if kind not in ("base", "cd", "target", "fp8") or key not in GOALS:
         raise SystemExit(
-            f"unknown phase {phase}: setup, base-<goal>, target-<goal>, cap<GiB>-<goal>,"
-            " fp8-<goal>;"
+            f"unknown phase {phase}: setup, base-<goal>, cd-<goal>, target-<goal>,"
+            " cap<GiB>-<goal>, fp8-<goal>;"
             f" goals: {' '.join(GOALS)}"
         )
     return kind, key, cap
@@ -209,6 +213,24 @@ def base_phase(ctx: Ctx, key: str) -> dict[str, Any]:
     return harness.save(dest, summarise(key, goal, runs))
 
 
+def cd_phase(ctx: Ctx, key: str) -> dict[str, Any]:
+    """(c3) and (d) alone, one after the other, each measured after its compilation."""
+    goal = GOALS[key]
+    dest = ctx.results / f"cd-{key}"
+    box, ctx.mode.product = ctx.mode.product, COMPILE_BOX
+    try:
+        runs: dict[str, dict[str, Any]] = {"d_train_yml": product(ctx, dest / "d_train_yml", goal)}
+    finally:
+        ctx.mode.product = box
+    prod = runs["d_train_yml"]
+    cutoff = int(prod.get("rendered", {}).get("cutoff_len") or 2048)
+    tokens = float(prod.get("tokens_per_step") or 8192)
+    name = "c3_packed_nockpt_compile"
+    settings = expert_variants(tokens, cutoff)[name]
+    runs[name] = hand(ctx, dest / name, goal, 1, settings=settings, cutoff=cutoff, box=COMPILE_BOX)
+    return harness.save(dest, summarise(key, goal, runs))
+
+
 def summarise(key: str, goal: Goal, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The ratios the issue asks for: (d)/(a), (d)/(b), (d)/(c) and each run's MFU."""
     speed = {name: r.get("tokens_per_s") for name, r in runs.items() if r.get("ok")}
@@ -245,12 +267,26 @@ def target_phase(ctx: Ctx, key: str) -> dict[str, Any]:
     goal = GOALS[key]
     cap = f"-cap{ctx.gpu_memory_gib:g}" if ctx.gpu_memory_gib else ""
     dest = ctx.results / f"target-{key}{cap}"
-    res = product(ctx, dest, goal)
+    box, ctx.mode.product = ctx.mode.product, TARGET_BOX
+    try:
+        res = product(ctx, dest, goal)
+    finally:
+        ctx.mode.product = box
     target = TARGETS.get(key)
     if target and res.get("tokens_per_s"):
         res["target_tokens_per_s"] = target
         res["target_met"] = res["tokens_per_s"] >= target
     return harness.save(dest, res)
+
+
+# LLaMA-Factory 0.9.5's `fp8: true` alone trains in bf16 under transformers 5.6: TrainingArguments
+# fixes mixed_precision ("bf16" from bf16: true) before LLaMA-Factory's trainer sets
+# ACCELERATE_MIXED_PRECISION=fp8, and the Trainer passes "bf16" to the Accelerator (measured in
+# the first call of 2026-12-02: same speed, same loss to 0.0006, same memory). FP8 takes effect when
+# the variable is in the ranks' environment from the start and bf16 is left off (accelerate then
+# autocasts to bf16 itself and converts the linear layers with torchao).
+FP8_ARGS = {"torch_compile": True, "fp8": True, "fp8_backend": "torchao", "bf16": False}
+FP8_ENVIRONMENT = {"ACCELERATE_MIXED_PRECISION": "fp8"}
 
 
 def fp8_phase(ctx: Ctx, key: str) -> dict[str, Any]:
@@ -259,11 +295,22 @@ def fp8_phase(ctx: Ctx, key: str) -> dict[str, Any]:
     dest = ctx.results / f"fp8-{key}"
     runs = {}
     saved = ctx.extra_vars
+    # cd-<goal>'s (d) of this call, when the planner compiled it, is the same bf16 run.
+    done = ctx.results / f"cd-{key}" / "d_train_yml" / "result.json"
+    if done.is_file():
+        earlier = json.loads(done.read_text())
+        if earlier.get("ok") and (earlier.get("rendered") or {}).get("torch_compile"):
+            runs["bf16_compile"] = earlier
     for name, args in (
         ("bf16_compile", {"torch_compile": True}),
-        ("fp8_compile", {"torch_compile": True, "fp8": True, "fp8_backend": "torchao"}),
+        ("fp8_compile", FP8_ARGS),
     ):
+        if name in runs:
+            harness.say(f"fp8 {key}: {name} from cd-{key}'s (d)")
+            continue
         ctx.extra_vars = {**saved, "train_args": {**saved.get("train_args", {}), **args}}
+        if args is FP8_ARGS:
+            ctx.extra_vars["job_environment"] = FP8_ENVIRONMENT
         box, ctx.mode.product = ctx.mode.product, COMPILE_BOX
         try:
             runs[name] = product(ctx, dest / name, goal)
@@ -288,7 +335,7 @@ def run(args: argparse.Namespace) -> int:
     cap_gpu(ctx, args.gpu_cap_gib)
     # Every model the call trains is generated from the start, in the background.
     harness.start_models(ctx, set().union(*(phase_sizes(ctx, p) for p in args.phases)))
-    estimates = {"setup": 90, "base": 420, "target": 200, "fp8": 300}
+    estimates = {"setup": 90, "base": 420, "cd": 240, "target": 200, "fp8": 300}
     for phase, (kind, key, cap) in zip(args.phases, parsed, strict=True):
         if kind != "setup" and ctx.left() < estimates[kind] / 2:
             harness.say(f"skip {phase}: {ctx.left():.0f} s left")
@@ -300,6 +347,8 @@ def run(args: argparse.Namespace) -> int:
                 harness.setup_phase(ctx, [])
             elif kind == "base":
                 print(json.dumps(base_phase(ctx, key), indent=1), flush=True)
+            elif kind == "cd":
+                print(json.dumps(cd_phase(ctx, key), indent=1), flush=True)
             elif kind == "fp8":
                 print(json.dumps(fp8_phase(ctx, key), indent=1), flush=True)
             else:

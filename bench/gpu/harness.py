@@ -35,6 +35,7 @@ import contextlib
 import gzip
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -700,6 +701,9 @@ def stop_run(ctx: Ctx, run_dir: Path) -> None:
         stop_pids(left)
 
 
+PRECISION_LINE = re.compile(r"fp8|float8|compute dtype|mixed.precision", re.IGNORECASE)
+
+
 def collect_run(run_dir: Path, dest: Path) -> None:
     """Keep what train.yml rendered and what the run logged."""
     for name in ("train.yaml", "plan.json", "ds_config.json", "fsdp_config.json"):
@@ -711,6 +715,14 @@ def collect_run(run_dir: Path, dest: Path) -> None:
     logs = sorted((run_dir / "logs").glob("*.log"))
     if logs:
         (dest / "node.log").write_text("\n".join(tail(p, 300) for p in logs) + "\n")
+        # What the tail loses: the start-up lines that say which precision the run trained in.
+        said = [
+            line
+            for log in logs
+            for line in log.read_text(errors="replace").splitlines()
+            if PRECISION_LINE.search(line)
+        ]
+        (dest / "precision.log").write_text("\n".join(said[:50]) + "\n")
 
 
 def read_json(path: Path) -> dict[str, Any]:
