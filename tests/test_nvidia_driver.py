@@ -287,3 +287,34 @@ def test_gpu_probe_reports_no_secure_boot_on_a_bios_boot(tmp_path: Path):
     sysfs = tmp_path / "sys"
     sysfs.mkdir()
     assert probe(tmp_path, sysfs, None)["secure_boot"] is False
+
+
+def fake_smi(bin_dir: Path, caps: str | None) -> None:
+    """An nvidia-smi with two GPUs; `caps` answers the compute_cap query (None: too old for it)."""
+    too_old = "echo 'Field \"compute_cap\" is not a valid field' >&2; exit 2"
+    cap_answer = f"printf '{caps}'" if caps is not None else too_old
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in\n'
+        "  --query-gpu=index,compute_cap) " + cap_answer + " ;;\n"
+        "  --query-gpu=*) printf '0, NVIDIA GeForce RTX 4090, 24564, 570.86.15, 00000000:01:00.0\\n"
+        "1, NVIDIA GeForce RTX 4090, 24564, 570.86.15, 00000000:02:00.0\\n' ;;\n"
+        "  *) echo 'CUDA Version: 12.8' ;;\n"
+        "esac\n"
+    )
+    smi.chmod(0o755)
+
+
+@pytest.mark.parametrize(("caps", "expected"), [("0, 8.9\n1, 8.9\n", "8.9"), (None, None)])
+def test_gpu_probe_records_the_compute_capability_where_nvidia_smi_knows_it(
+    tmp_path: Path, caps: str | None, expected: str | None
+) -> None:
+    sysfs = tmp_path / "sys"
+    sysfs.mkdir()
+    (tmp_path / "bin").mkdir()
+    fake_smi(tmp_path / "bin", caps)
+    found = probe(tmp_path, sysfs, None)
+    assert [g["name"] for g in found["gpus"]] == ["NVIDIA GeForce RTX 4090"] * 2
+    assert [g.get("compute_capability") for g in found["gpus"]] == [expected, expected]
+    assert found["driver_version"] == "570.86.15"

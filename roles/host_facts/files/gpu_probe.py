@@ -130,6 +130,13 @@ def main() -> None:
                 }
             )
         gpus = smi_gpus
+        # A separate query: an nvidia-smi too old for compute_cap fails it and nothing else.
+        caps = smi("--query-gpu=index,compute_cap", "--format=csv,noheader,nounits") or ""
+        for line in caps.strip().splitlines():
+            index, _, cap = (f.strip() for f in line.partition(","))
+            for gpu in gpus:
+                if str(gpu["index"]) == index and re.fullmatch(r"\d+\.\d+", cap):
+                    gpu["compute_capability"] = cap
         match = re.search(r"CUDA Version:\s*([0-9.]+)", smi() or "")
         cuda = match.group(1) if match else None
     result = {

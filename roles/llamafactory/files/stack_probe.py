@@ -16,7 +16,7 @@ import platform
 import subprocess
 import sys
 import tempfile
-from importlib.metadata import distributions, version
+from importlib.metadata import PackageNotFoundError, distributions, version
 from pathlib import Path
 from types import ModuleType
 
@@ -30,7 +30,17 @@ DISTRIBUTIONS = (
     "accelerate",
     "peft",
 )
+# Extras a plan may need (llamafactory_extras): their version, or null where not installed.
+OPTIONAL = ("torchao",)
 NVIDIA = Path("/proc/driver/nvidia")
+
+
+def installed(name: str) -> str | None:
+    """A distribution's version, None where it is not installed."""
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
 
 
 def probe_key(cli: str) -> str:
@@ -94,6 +104,7 @@ def main() -> None:
     cache = Path(sys.argv[2]) if len(sys.argv) > 2 else None
     stack: dict[str, object] = {"python": platform.python_version()}
     stack.update({name: version(name) for name in DISTRIBUTIONS})
+    stack.update({name: installed(name) for name in OPTIONAL})
     stack.update(cached_runtime(cli, cache))
     print(json.dumps(stack, sort_keys=True))
 

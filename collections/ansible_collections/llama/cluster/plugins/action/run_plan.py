@@ -137,6 +137,13 @@ options:
         nodes, or below 60 % of linear scaling (otherwise refused before launch).
     type: raw
     default: false
+  fp8:
+    description:
+      - Train in FP8 (torchao float8 linear layers) on GPUs of compute capability 8.9 or newer,
+        with plain DDP and torchao installed on every node (llamafactory_extras); refused
+        elsewhere, naming the nodes.
+    type: raw
+    default: false
   max_restarts:
     description: Restarts allowed after a failure, an integer >= 0 (recorded in the plan).
     type: raw
@@ -357,6 +364,7 @@ class ActionModule(ActionBase):
                 "train_args",
                 "max_restarts",
                 "allow_slow_scaling",
+                "fp8",
             )
         }
         request["deepspeed"] = asked["deepspeed"] or self._var("training_deepspeed")

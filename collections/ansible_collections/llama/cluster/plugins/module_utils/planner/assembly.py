@@ -14,6 +14,7 @@ from .decisions import (
     BatchRequest,
     choose_batch,
     choose_compile,
+    choose_fp8,
     choose_stage,
     estimate_steps,
 )
@@ -289,6 +290,11 @@ def assemble(
         allow_slow=bool(request.get("allow_slow_scaling")),
     )
     decisions["deepspeed"] = stage_why
+    environment: dict[str, str] = {}
+    # -e fp8=true, or fp8 in train_args (which alone would train in bf16: choose_fp8 says why).
+    if request.get("fp8") or args.get("fp8") is True:
+        fp8_args, environment, decisions["fp8"] = choose_fp8(nodes, accelerator, stage)
+        args = {**args, **fp8_args}
     micro = int(args.get("per_device_train_batch_size", 1))
     accumulation = int(args.get("gradient_accumulation_steps", 1))
     tokens = micro * accumulation * int(model["cutoff_len"])
@@ -332,6 +338,8 @@ def assemble(
             for n in nodes
         },
         "performance": performance,
+        # Set in every rank's environment before it starts (roles/job: job_environment).
+        "environment": environment,
         "max_restarts": int(request.get("max_restarts") or 0),
         "train_args": args,
         "ranks": dict(ranks),
@@ -401,6 +409,8 @@ def summary(
         f"Packing: {'on' if plan['packing'] else 'off'}; torch.compile: "
         f"{'on' if plan['torch_compile'] else 'off'} ({plan['decisions']['torch_compile']})",
     ]
+    if "fp8" in plan["decisions"]:
+        lines.append(plan["decisions"]["fp8"])
     if smallest is not None:
         lines.append(
             f"GPU memory planned for: {plan['gpu_memory_gib']} GiB per GPU (smallest node: "

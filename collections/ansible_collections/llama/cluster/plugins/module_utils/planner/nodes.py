@@ -103,6 +103,24 @@ def node_gpu_memory(host: str, hostvars: Any) -> tuple[float | None, str]:  # no
     return float(gib), "training_gpu_memory_gib (the facts report no GPU memory)"
 
 
+def node_compute_capability(hostvars: Any) -> float | None:  # noqa: ANN401 - Ansible's hostvars
+    """The lowest CUDA compute capability of the GPUs this node trains on (gpu_ids), from the
+    facts; None on a CPU node or where the facts do not record it."""
+    if node_accelerator(hostvars) == "cpu":
+        return None
+    gpus = [g for g in local_facts(hostvars).get("gpus") or [] if isinstance(g, Mapping)]
+    wanted = _get(hostvars, "gpu_ids")
+    if wanted:
+        gpus = [g for g in gpus if g.get("index") in wanted]
+    caps = []
+    for gpu in gpus:
+        try:
+            caps.append(float(gpu["compute_capability"]))
+        except (KeyError, TypeError, ValueError):
+            return None
+    return min(caps) if caps else None
+
+
 def node_host_memory(host: str, hostvars: Any) -> tuple[float | None, str]:  # noqa: ANN401
     """GiB of the node's RAM, and where the figure came from (None: not known, not checked).
 
@@ -138,6 +156,8 @@ def describe_nodes(
                 "memory_source": source,
                 "host_memory_gib": host_gib,
                 "host_memory_source": host_source,
+                "compute_capability": node_compute_capability(hostvars[host]),
+                "torchao": local_facts(hostvars[host], "llama_stack").get("torchao"),
                 "links": node_links(
                     local_facts(hostvars[host], "llama_links"),
                     _knob(host, hostvars[host], "link_gbps", "Gbit/s"),

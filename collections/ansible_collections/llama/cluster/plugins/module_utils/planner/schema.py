@@ -167,6 +167,7 @@ RUN_SCHEMA: dict[str, tuple[Number | Flag, str, Any]] = {
     "dataset_records": (AT_LEAST_0, "run_config_dataset_records", None),
     "trust_remote_code": (Flag(), "-e trust_remote_code", False),
     "allow_slow_scaling": (Flag(), "-e allow_slow_scaling", False),
+    "fp8": (Flag(), "-e fp8", False),
 }
 
 
