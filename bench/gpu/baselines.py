@@ -279,14 +279,10 @@ def target_phase(ctx: Ctx, key: str) -> dict[str, Any]:
     return harness.save(dest, res)
 
 
-# LLaMA-Factory 0.9.5's `fp8: true` alone trains in bf16 under transformers 5.6: TrainingArguments
-# fixes mixed_precision ("bf16" from bf16: true) before LLaMA-Factory's trainer sets
-# ACCELERATE_MIXED_PRECISION=fp8, and the Trainer passes "bf16" to the Accelerator (measured in
-# the first call of 2026-12-02: same speed, same loss to 0.0006, same memory). FP8 takes effect when
-# the variable is in the ranks' environment from the start and bf16 is left off (accelerate then
-# autocasts to bf16 itself and converts the linear layers with torchao).
-FP8_ARGS = {"torch_compile": True, "fp8": True, "fp8_backend": "torchao", "bf16": False}
-FP8_ENVIRONMENT = {"ACCELERATE_MIXED_PRECISION": "fp8"}
+# FP8 through the product: -e fp8=true (the planner renders bf16 off and sets
+# ACCELERATE_MIXED_PRECISION=fp8 in the ranks' environment: planner/decisions.py choose_fp8).
+# The third session of 2026-12-02 measured the same settings passed by hand (train_args fp8, bf16
+# false and job_environment), before the planner rendered them.
 
 
 def fp8_phase(ctx: Ctx, key: str) -> dict[str, Any]:
@@ -301,16 +297,12 @@ def fp8_phase(ctx: Ctx, key: str) -> dict[str, Any]:
         earlier = json.loads(done.read_text())
         if earlier.get("ok") and (earlier.get("rendered") or {}).get("torch_compile"):
             runs["bf16_compile"] = earlier
-    for name, args in (
-        ("bf16_compile", {"torch_compile": True}),
-        ("fp8_compile", FP8_ARGS),
-    ):
+    for name, fp8_flag in (("bf16_compile", False), ("fp8_compile", True)):
         if name in runs:
             harness.say(f"fp8 {key}: {name} from cd-{key}'s (d)")
             continue
-        ctx.extra_vars = {**saved, "train_args": {**saved.get("train_args", {}), **args}}
-        if args is FP8_ARGS:
-            ctx.extra_vars["job_environment"] = FP8_ENVIRONMENT
+        train_args = {**saved.get("train_args", {}), "torch_compile": True}
+        ctx.extra_vars = {**saved, "train_args": train_args, "fp8": fp8_flag}
         box, ctx.mode.product = ctx.mode.product, COMPILE_BOX
         try:
             runs[name] = product(ctx, dest / name, goal)
