@@ -13,7 +13,7 @@ Measures, on a 2-node lab whose nodes are Docker containers (the lab or molecule
   4. provision.yml re-run on the provisioned nodes (a no-op: its wall time and changed= per node),
      right after the runs above.
 Prints a Markdown table with the load average before and after, and writes it to
-bench/train_overhead.md.
+bench/results/train_overhead.md (git-ignored; bench/README.md keeps the summary).
 
     python bench/train_overhead.py -i INVENTORY [--nodes N1,N2] [--repeat 1] [--no-provision]
         [--noop-nodes N1,...,N8 --noop-inventory INVENTORY8]   also a no-op provision of more nodes
@@ -236,7 +236,7 @@ def main() -> None:
     table += ["", f"Load average (1, 5, 15 min): {load_before} before, {load()} after."]
     text = "\n".join(table) + "\n"
     print(text)
-    out = ROOT / "bench/train_overhead.md"
+    out = ROOT / "bench/results/train_overhead.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(f"Nodes: {', '.join(nodes)} (inventory {args.inventory})\n\n{text}")
 

@@ -192,7 +192,7 @@ class Mode:
     shard_steps: int
     # The longest a sharding run may take (the CPU's first DeepSpeed run JIT-builds its comm op).
     shard_cap: float
-    # Seconds each phase is expected to take (BENCHMARKS.md's timings; bench/gpu/PROFILE.md).
+    # Seconds each phase is expected to take (BENCHMARKS.md timings; bench/README.md).
     estimates: dict[str, float]
     extra_example: dict[str, Any] = field(default_factory=dict)
 
@@ -210,7 +210,7 @@ GPU_MODE = Mode(
     example=Box(warmup=3, min_steps=3, seconds=12, cap=150),
     shard_steps=12,
     shard_cap=200,
-    # Expected seconds per phase (bench/gpu/PROFILE.md, "Time budget", says where from).
+    # Expected seconds per phase (bench/README.md, "Time budget", says where from).
     estimates={
         "setup": 60,
         "goal-1.5b": 195,

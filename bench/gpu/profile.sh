@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 17's benchmark: train.yml against LLaMA-Factory's example configs (bench/gpu/harness.py
-# says what each phase does; bench/gpu/PROFILE.md has the commands, budget and tables).
+# says what each phase does; bench/README.md has the commands, budget and tables).
 #
 # On the GPU machine, from the repository root, .whl and .cache/collections carried (device tool):
 #   bash bench/gpu/profile.sh setup goal-1.5b goal-0.5b shard-none shard-zero2

@@ -1,6 +1,6 @@
 """The issue-17 benchmark's arithmetic (bench/gpu/analyse.py) and its carried-wheel checks.
 
-No training here: the harness itself is proven by its CPU dry run (bench/gpu/PROFILE.md); these
+No training here: the harness itself is proven by its CPU dry run (bench/README.md); these
 pin the figures it reports to hand-computed values.
 """
 
