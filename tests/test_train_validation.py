@@ -261,7 +261,7 @@ def test_the_plan_lists_what_was_decided(tmp_path: Path) -> None:
         "DeepSpeed: none (the fastest predicted of",
         "Gradient checkpointing: off",
         # The dataset checker counted demo_alpaca's records: the run's length is known.
-        "Packing: on; torch.compile: off (about 15 optimizer steps, fewer than the 3000",
+        "Packing: on; torch.compile: off (about 15 optimizer steps of ~",
         "GPU memory planned for: 140.4 GiB per GPU",
         "Restarts after a failure: at most 2",
     ):
