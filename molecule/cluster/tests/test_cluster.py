@@ -287,12 +287,9 @@ def declared_h200() -> Iterator[None]:
 def test_a_measured_10_mbit_link_refuses_zero3_and_accepts_ddp_with_accumulation(
     slow_links: str,
 ) -> None:
-    checks = {
-        "preflight_checks": ["links", "collective"],
-        "preflight_allreduce_mib": 1,
-        "preflight_allreduce_iterations": 3,
-    }
-    measured = playbook("playbooks/check.yml", "-e", json.dumps(checks))
+    # The links only (the all-reduce is test_full_check's): the planner then takes the slowest
+    # TCP stream between two nodes.
+    measured = playbook("playbooks/check.yml", "-e", '{"preflight_checks": ["links"]}')
     assert measured.returncode == 0, said(measured)[-3000:]
     for name in NODES:
         links = _fact(name, "llama_links")
@@ -301,7 +298,7 @@ def test_a_measured_10_mbit_link_refuses_zero3_and_accepts_ddp_with_accumulation
                 slow_links,
                 links,
             )
-        assert links["allreduce"]["busbw_gbps"] < 1.2 * SLOW_MBIT / 1e3
+        assert "allreduce" not in links  # not measured by this run
 
     # Molecule's ansible.cfg caches no facts: train.yml reads the GPU nodes' facts (links too).
     gpus = ("-e", "cluster_accelerator=nvidia", "-e", "model=tiny")
@@ -309,23 +306,27 @@ def test_a_measured_10_mbit_link_refuses_zero3_and_accepts_ddp_with_accumulation
     out = said(refused)
     assert refused.returncode != 0
     assert "Refused before launch: 3 nodes would" in out, out[-3000:]
-    figure = re.search(
-        r"\(link ([0-9.]+) Gbit/s, check.yml's gloo all-reduce bus bandwidth over 3", out
-    )
+    figure = re.search(r"\(link ([0-9.]+) Gbit/s, check.yml's slowest TCP stream", out)
     assert figure, out[-3000:]
     assert float(figure.group(1)) < 1.2 * SLOW_MBIT / 1e3
     assert "Ways out: fewer nodes: 1" in out
     assert "-e allow_slow_scaling=true" in out
     assert "Train | Prepare every node" not in out  # refused before any node play
 
+    # The same link, DDP with accumulation: train.yml plans it and the go/no-go passes (--tags
+    # always: the inventory check and the plan, on the controller; no node play runs).
     accumulate = {
         "train_args": {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 64}
     }
-    ddp = ("-e", "deepspeed=none", "-e", json.dumps(accumulate), "-e", "render_hosts=no_node")
-    accepted = playbook("tests/playbooks/render_run.yml", *gpus, *ddp)
+    ddp = ("-e", "deepspeed=none", "-e", json.dumps(accumulate), "--tags", "always")
+    accepted = playbook("train.yml", *gpus, *ddp)
     out = said(accepted)
     assert accepted.returncode == 0, out[-3000:]
-    assert "Scaling (predicted, per added node): 1 node" in out
+    assert "deepspeed=none, micro-batch 1 x accumulation 64" in out
+    assert re.search(
+        r"Scaling \(predicted, per added node\): 1 node .* 3 nodes [0-9,]+ tokens/s", out
+    )
+    assert "Refused" not in out
     assert "gloo all-reduce bus bandwidth over 3 nodes" in out
 
 
