@@ -88,6 +88,27 @@ def test_a_different_gpu_model_or_count_is_named() -> None:
     assert "node3: gpu model is NVIDIA A100, but NVIDIA H200 on node1, node2" in mismatches
 
 
+def _gpus(name: str, mib: int, count: int = 2) -> dict:
+    return {"gpus": [{"index": i, "name": name, "memory_mib": mib} for i in range(count)]}
+
+
+def test_a_gpu_memory_mix_is_refused_unless_allowed_and_then_reported() -> None:
+    odd = node_facts(torch="2.10.0")
+    odd["llama_host"] = dict(odd["llama_host"], **_gpus("NVIDIA H200", 81559), driver_version="570")
+    facts = {"node1": node_facts(), "node2": node_facts(), "node3": odd}
+    refused = preflight.preflight_consistency(facts, KEYS, "node1")
+    assert "node3: gpu memory is 81559, but 143771 on node1, node2" in refused["mismatches"]
+    assert "node3: driver is 570, but 580.159.04 on node1, node2" in refused["mismatches"]
+    allowed = preflight.preflight_consistency(facts, KEYS, "node1", allow_hardware=True)
+    # The hardware is only reported; a package that differs is still refused.
+    assert allowed["mismatches"] == ["node3: torch is 2.10.0, but 2.11.0 on node1, node2"]
+    assert allowed["reported"] == [
+        "node3: driver is 570, but 580.159.04 on node1, node2",
+        "node3: gpu memory is 81559, but 143771 on node1, node2",
+    ]
+    assert "143771" in allowed["table"][1]
+
+
 def test_a_package_missing_on_one_node_is_a_difference() -> None:
     facts = {"node1": node_facts(), "node2": node_facts(deepspeed=None)}
     result = preflight.preflight_consistency(facts, KEYS, "node1")
