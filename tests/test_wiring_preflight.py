@@ -294,3 +294,29 @@ def test_the_report_names_every_failed_pair() -> None:
         "measured": ["n1 to n2 on 10.9.0.0/24 (ib0): 9.41 Gbit/s, round trip 0.12 ms"],
         "failed": ["n1 to n2 on 10.9.0.0/24 (ib0): refused"],
     }
+
+
+@pytest.mark.parametrize(
+    ("pairs", "gpus", "disable", "reason"),
+    [
+        ([], 1, False, "fewer than 2 GPUs"),
+        ([(0, 1, True, True), (1, 0, True, True)], 2, False, "P2P works between all 2 GPUs"),
+        ([(0, 1, False, True), (1, 0, False, True)], 2, True, "P2P absent (no peer access): 0->1"),
+        ([(0, 1, True, False), (1, 0, True, True)], 2, True, "P2P broken (a copy arrived"),
+    ],
+)
+def test_p2p_is_disabled_for_a_node_only_where_it_is_absent_or_broken(
+    pairs: list, gpus: int, disable: bool, reason: str
+) -> None:
+    probe = {
+        "gpus": gpus,
+        "names": ["NVIDIA GeForce RTX 4090"],
+        "pairs": [
+            {"from": a, "to": b, "access": access, "intact": ok} for a, b, access, ok in pairs
+        ],
+    }
+    decided = links.links_p2p(probe)
+    assert decided["nccl_p2p_disable"] is disable
+    assert decided["reason"].replace("GPUs ", "").startswith(reason)
+    fact = links.links_fact("n1", {}, [], measured=[], ifname="eth0", p2p=decided)
+    assert fact["p2p"]["nccl_p2p_disable"] is disable

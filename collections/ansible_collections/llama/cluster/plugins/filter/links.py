@@ -131,6 +131,7 @@ def links_fact(
     ifname: str,
     allreduce: Mapping[str, Any] | None = None,
     measured_at: str = "",
+    p2p: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The local fact llama_links of `host`, in the shape the planner reads
     (plugins/module_utils/planner/links.py): what this node measured sending to each peer, on
@@ -166,6 +167,8 @@ def links_fact(
     }
     if allreduce:
         fact["allreduce"] = dict(allreduce)
+    if p2p:
+        fact["p2p"] = dict(p2p)
     return fact
 
 
@@ -183,6 +186,29 @@ def links_allreduce(result: Mapping[str, Any], ifname: str, size_mib: int | str)
     }
 
 
+def links_p2p(probe: Mapping[str, Any]) -> dict[str, Any]:
+    """Whether NCCL must not use P2P on this node, from roles/preflight/files/p2p.py's probe:
+    set where a pair of its GPUs has no peer access (P2P absent: RTX 4090, PCIe ACS) or a copy
+    arrived corrupted (P2P broken); not set on fewer than 2 GPUs or where every pair works."""
+    pairs = [p for p in probe.get("pairs") or [] if isinstance(p, Mapping)]
+    absent = [f"{p['from']}->{p['to']}" for p in pairs if not p.get("access")]
+    broken = [f"{p['from']}->{p['to']}" for p in pairs if p.get("access") and not p.get("intact")]
+    if int(probe.get("gpus") or 0) < 2:
+        reason, disable = "fewer than 2 GPUs: no P2P used", False
+    elif broken:
+        reason, disable = f"P2P broken (a copy arrived corrupted): GPUs {', '.join(broken)}", True
+    elif absent:
+        reason, disable = f"P2P absent (no peer access): GPUs {', '.join(absent)}", True
+    else:
+        reason, disable = f"P2P works between all {probe['gpus']} GPUs", False
+    return {
+        "gpus": int(probe.get("gpus") or 0),
+        "names": list(probe.get("names") or []),
+        "nccl_p2p_disable": disable,
+        "reason": reason,
+    }
+
+
 class FilterModule:
     """The link filters."""
 
@@ -196,4 +222,5 @@ class FilterModule:
             "links_report": links_report,
             "links_fact": links_fact,
             "links_allreduce": links_allreduce,
+            "links_p2p": links_p2p,
         }
