@@ -320,3 +320,12 @@ def test_p2p_is_disabled_for_a_node_only_where_it_is_absent_or_broken(
     assert decided["reason"].replace("GPUs ", "").startswith(reason)
     fact = links.links_fact("n1", {}, [], measured=[], ifname="eth0", p2p=decided)
     assert fact["p2p"]["nccl_p2p_disable"] is disable
+
+
+def test_with_ufw_on_only_the_networks_it_opens_between_the_nodes_count() -> None:
+    networks = links.links_networks(NODES3)
+    addresses = {h: f"192.168.1.{i}" for i, h in zip((11, 12, 13), NODES3, strict=True)}
+    assert [n["network"] for n in links.links_open(networks, addresses)] == ["192.168.1.0/24"]
+    opened = links.links_open(networks, addresses, cidrs=["10.9.0.0/16"])
+    assert links.links_ifname(opened, "n1") == "ib0"
+    assert len(links.links_open(networks, addresses, firewall=False)) == 3

@@ -6,7 +6,8 @@ distinct (docker0's 172.17.0.1 on every server is no link between them) and the 
 The run's network is the fastest shared one: InfiniBand, then RoCE, then Ethernet, then the
 rest (bridges, others), and among one kind the highest speed every node reports; the inventory's
 nccl_socket_ifname wins over it, and without a shared network the route to the master stays
-(roles/nccl_network).
+(roles/nccl_network). With ufw on, only networks the firewall opens between the nodes count
+(`links_open`: the one of their cluster_address, or inside firewall_cluster_cidrs).
 """
 
 from __future__ import annotations
@@ -60,6 +61,29 @@ def links_networks(interfaces: Mapping[str, Mapping[str, Mapping[str, Any]]]) ->
         )
     shared.sort(key=lambda n: (_rank(n["kind"]), -(n["speed_mbps"] or 0), n["network"]))
     return shared
+
+
+def links_open(
+    networks: Sequence[Mapping[str, Any]],
+    addresses: Mapping[str, str],
+    firewall: bool = True,
+    cidrs: Sequence[str] = (),
+) -> list[dict]:
+    """The shared networks the firewall lets the nodes talk on (roles/firewall allows every
+    node's cluster_address, or firewall_cluster_cidrs instead): all of them with the firewall
+    off; else those holding every node's cluster_address or inside one of the CIDRs."""
+    allowed = [ipaddress.ip_network(c, strict=False) for c in cidrs]
+    open_ = []
+    for net in networks:
+        network = ipaddress.ip_network(net["network"])
+        ours = {m["address"] for m in net["hosts"].values()}
+        if (
+            not firewall
+            or all(addresses.get(host) in ours for host in net["hosts"])
+            or any(network.subnet_of(c) for c in allowed if c.version == network.version)
+        ):
+            open_.append(dict(net))
+    return open_
 
 
 def links_pairs(networks: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
@@ -217,6 +241,7 @@ class FilterModule:
         return {
             "links_networks": links_networks,
             "links_pairs": links_pairs,
+            "links_open": links_open,
             "links_ifname": links_ifname,
             "links_mtu_mismatches": links_mtu_mismatches,
             "links_report": links_report,
