@@ -1,12 +1,21 @@
-"""The preflight's consistency filter: table, odd-node detection, missing facts."""
+"""The preflight's consistency filter: table, odd-node detection, missing facts; the links:
+llama_links (interfaces, a real server and client over loopback), the networks the nodes share,
+the interface a run uses and the fact the planner reads."""
 
 from __future__ import annotations
 
+import socket
+import threading
 from pathlib import Path
 
 import pytest
 import yaml
-from ansible_collections.llama.cluster.plugins.filter import preflight
+from ansible_collections.llama.cluster.plugins.filter import links, preflight
+from ansible_collections.llama.cluster.plugins.module_utils.planner.links import (
+    node_links,
+    run_link,
+)
+from ansible_collections.llama.cluster.plugins.modules import llama_links
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,6 +88,27 @@ def test_a_different_gpu_model_or_count_is_named() -> None:
     assert "node3: gpu model is NVIDIA A100, but NVIDIA H200 on node1, node2" in mismatches
 
 
+def _gpus(name: str, mib: int, count: int = 2) -> dict:
+    return {"gpus": [{"index": i, "name": name, "memory_mib": mib} for i in range(count)]}
+
+
+def test_a_gpu_memory_mix_is_refused_unless_allowed_and_then_reported() -> None:
+    odd = node_facts(torch="2.10.0")
+    odd["llama_host"] = dict(odd["llama_host"], **_gpus("NVIDIA H200", 81559), driver_version="570")
+    facts = {"node1": node_facts(), "node2": node_facts(), "node3": odd}
+    refused = preflight.preflight_consistency(facts, KEYS, "node1")
+    assert "node3: gpu memory is 81559, but 143771 on node1, node2" in refused["mismatches"]
+    assert "node3: driver is 570, but 580.159.04 on node1, node2" in refused["mismatches"]
+    allowed = preflight.preflight_consistency(facts, KEYS, "node1", allow_hardware=True)
+    # The hardware is only reported; a package that differs is still refused.
+    assert allowed["mismatches"] == ["node3: torch is 2.10.0, but 2.11.0 on node1, node2"]
+    assert allowed["reported"] == [
+        "node3: driver is 570, but 580.159.04 on node1, node2",
+        "node3: gpu memory is 81559, but 143771 on node1, node2",
+    ]
+    assert "143771" in allowed["table"][1]
+
+
 def test_a_package_missing_on_one_node_is_a_difference() -> None:
     facts = {"node1": node_facts(), "node2": node_facts(deepspeed=None)}
     result = preflight.preflight_consistency(facts, KEYS, "node1")
@@ -91,3 +121,211 @@ def test_missing_provisioning_facts_are_reported_per_node(absent: str) -> None:
     del partial[absent]
     facts = {"node1": node_facts(), "node2": partial}
     assert preflight.preflight_consistency(facts, KEYS, "node1")["missing"] == {"node2": [absent]}
+
+
+# ---- the links ------------------------------------------------------------------------------
+def _net(root: Path, name: str, kind: int, *, bridge: bool = False, rdma: bool = False) -> None:
+    net = root / name
+    net.mkdir()
+    (net / "type").write_text(f"{kind}\n")
+    if bridge:
+        (net / "bridge").mkdir()
+    if rdma:
+        (net / "device" / "infiniband").mkdir(parents=True)
+
+
+def test_interface_kinds_come_from_sysfs(tmp_path: Path) -> None:
+    _net(tmp_path, "ib0", 32)
+    _net(tmp_path, "ens1f0", 1, rdma=True)
+    _net(tmp_path, "eth0", 1)
+    _net(tmp_path, "br0", 1, bridge=True)
+    _net(tmp_path, "tun0", 65534)
+    kinds = {net.name: llama_links.interface_kind(net) for net in tmp_path.iterdir()}
+    assert kinds == {
+        "ib0": "infiniband",
+        "ens1f0": "roce",
+        "eth0": "ethernet",
+        "br0": "bridge",
+        "tun0": "other",
+    }
+
+
+def test_this_machines_interfaces_leave_out_loopback_and_carry_their_address() -> None:
+    found = llama_links.interfaces()
+    assert "lo" not in found
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.connect(("192.0.2.200", 9))
+        own = sock.getsockname()[0]
+    assert own in {info["address"] for info in found.values()}
+    assert all(info["mtu"] for info in found.values())
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_a_real_server_answers_a_measurement_and_ignores_a_port_probe() -> None:
+    port, served = _free_port(), []
+    server = threading.Thread(target=lambda: served.append(llama_links.serve(port, 1, 20)))
+    server.start()
+    for _ in range(100):  # until it listens
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()  # a probe
+            break
+        except OSError:
+            threading.Event().wait(0.05)
+    found = llama_links.measure("127.0.0.1", port, seconds=0.2, pings=5, timeout=10)
+    server.join(timeout=20)
+    assert served == [1]
+    assert found["bytes"] > 0
+    assert found["tcp_gbps"] == pytest.approx(found["bytes"] * 8 / found["seconds"] / 1e9, rel=0.01)
+    assert 0 < found["rtt_ms"] < 50
+
+
+def _iface(
+    address: str, kind: str = "ethernet", speed: int | None = 10000, **extra: object
+) -> dict:
+    return {"address": address, "prefix": 24, "kind": kind, "speed_mbps": speed, "mtu": 1500,
+            "operstate": "up", **extra}  # fmt: skip
+
+
+def _node3(last: int, ib_mbps: int = 200000, ens2_mtu: int = 1500) -> dict:
+    """A server with a 1 GbE management port, InfiniBand, 25 GbE and docker0."""
+    return {
+        "eno1": _iface(f"192.168.1.{last}", speed=1000),
+        "ib0": _iface(f"10.9.0.{last}", "infiniband", ib_mbps),
+        "docker0": _iface("172.17.0.1", "bridge", None),
+        "ens2": _iface(f"10.1.0.{last}", speed=25000, mtu=ens2_mtu),
+    }
+
+
+NODES3 = {"n1": _node3(11), "n2": _node3(12), "n3": _node3(13, ib_mbps=100000, ens2_mtu=9000)}
+
+
+def test_shared_networks_are_ranked_infiniband_first_and_docker0_is_no_link() -> None:
+    networks = links.links_networks(NODES3)
+    assert [(n["network"], n["kind"], n["speed_mbps"]) for n in networks] == [
+        ("10.9.0.0/24", "infiniband", 100000),  # the slowest node's speed
+        ("10.1.0.0/24", "ethernet", 25000),
+        ("192.168.1.0/24", "ethernet", 1000),
+    ]
+    assert links.links_ifname(networks, "n3") == "ib0"
+    assert links.links_ifname(networks, "n3", "eno1") == "eno1"  # the inventory's name wins
+    assert len(links.links_pairs(networks)) == 3 * 6
+    assert links.links_mtu_mismatches(networks) == [
+        "10.1.0.0/24: MTU differs between nodes (n1 ens2 1500, n2 ens2 1500, n3 ens2 9000)"
+    ]
+
+
+def test_a_network_one_node_lacks_or_a_down_port_is_not_shared_and_one_node_shares_none() -> None:
+    nodes = {h: dict(ifs) for h, ifs in NODES3.items()}
+    nodes["n2"] = {k: v for k, v in nodes["n2"].items() if k != "ib0"}
+    nodes["n3"]["ens2"] = {**nodes["n3"]["ens2"], "operstate": "down"}
+    networks = links.links_networks(nodes)
+    assert [n["network"] for n in networks] == ["192.168.1.0/24"]
+    assert links.links_ifname(networks, "n1") == "eno1"
+    assert links.links_networks({"n1": NODES3["n1"]}) == []
+    assert links.links_ifname([], "n1") == ""  # roles/nccl_network keeps the route
+
+
+def test_the_fact_is_what_the_planner_reads() -> None:
+    networks = links.links_networks(NODES3)
+    measured = [
+        {"item": pair, "tcp_gbps": 90.0 if pair["ifname"] == "ib0" else 9.0, "rtt_ms": 0.1}
+        for pair in links.links_pairs(networks)
+    ]
+    measured[0] = {**measured[0], "tcp_gbps": 40.0, "rtt_ms": 0.4}  # n1 -> n2 on ib0
+    result = {
+        "backend": "nccl",
+        "busbw_gbps": 80.5,
+        "algbw_gbps": 60.4,
+        "nnodes": 3,
+        "world_size": 24,
+    }
+    allreduce = links.links_allreduce(result, "ib0", "256")
+    when = "2026-12-02T12:00:00Z"
+    facts = {
+        host: links.links_fact(
+            host,
+            NODES3[host],
+            networks,
+            measured=measured,
+            ifname="ib0",
+            allreduce=allreduce,
+            measured_at=when,
+        )
+        for host in NODES3
+    }
+    assert facts["n1"]["peers"] == {
+        "n2": {"ifname": "ib0", "tcp_gbps": 40.0, "rtt_ms": 0.4},
+        "n3": {"ifname": "ib0", "tcp_gbps": 90.0, "rtt_ms": 0.1},
+    }
+    assert facts["n1"]["networks"]["10.1.0.0/24"]["peers"]["n2"]["tcp_gbps"] == 9.0
+    assert facts["n2"]["interfaces"]["ib0"] == {
+        "kind": "infiniband",
+        "speed_mbps": 200000,
+        "mtu": 1500,
+        "address": "10.9.0.12",
+    }
+    cluster = [{"host": h, "links": node_links(facts[h], None)} for h in NODES3]
+    link, _ = run_link(cluster)
+    assert link is not None
+    assert link.bandwidth == pytest.approx(80.5e9 / 8)  # the all-reduce's bus bandwidth
+    assert link.latency == pytest.approx(0.0002)  # half the largest round trip
+    for fact in facts.values():
+        del fact["allreduce"]
+    link, _ = run_link([{"host": h, "links": node_links(facts[h], None)} for h in NODES3])
+    assert link is not None
+    assert "slowest TCP stream, n1 to n2" in link.source
+    assert link.bandwidth == pytest.approx(40e9 / 8)
+
+
+def test_the_report_names_every_failed_pair() -> None:
+    pair = {"source": "n1", "target": "n2", "network": "10.9.0.0/24", "ifname": "ib0"}
+    report = links.links_report(
+        [
+            {"item": pair, "tcp_gbps": 9.41, "rtt_ms": 0.12},
+            {"item": pair, "failed": True, "msg": "refused"},
+        ]
+    )
+    assert report == {
+        "measured": ["n1 to n2 on 10.9.0.0/24 (ib0): 9.41 Gbit/s, round trip 0.12 ms"],
+        "failed": ["n1 to n2 on 10.9.0.0/24 (ib0): refused"],
+    }
+
+
+@pytest.mark.parametrize(
+    ("pairs", "gpus", "disable", "reason"),
+    [
+        ([], 1, False, "fewer than 2 GPUs"),
+        ([(0, 1, True, True), (1, 0, True, True)], 2, False, "P2P works between all 2 GPUs"),
+        ([(0, 1, False, True), (1, 0, False, True)], 2, True, "P2P absent (no peer access): 0->1"),
+        ([(0, 1, True, False), (1, 0, True, True)], 2, True, "P2P broken (a copy arrived"),
+    ],
+)
+def test_p2p_is_disabled_for_a_node_only_where_it_is_absent_or_broken(
+    pairs: list, gpus: int, disable: bool, reason: str
+) -> None:
+    probe = {
+        "gpus": gpus,
+        "names": ["NVIDIA GeForce RTX 4090"],
+        "pairs": [
+            {"from": a, "to": b, "access": access, "intact": ok} for a, b, access, ok in pairs
+        ],
+    }
+    decided = links.links_p2p(probe)
+    assert decided["nccl_p2p_disable"] is disable
+    assert decided["reason"].replace("GPUs ", "").startswith(reason)
+    fact = links.links_fact("n1", {}, [], measured=[], ifname="eth0", p2p=decided)
+    assert fact["p2p"]["nccl_p2p_disable"] is disable
+
+
+def test_with_ufw_on_only_the_networks_it_opens_between_the_nodes_count() -> None:
+    networks = links.links_networks(NODES3)
+    addresses = {h: f"192.168.1.{i}" for i, h in zip((11, 12, 13), NODES3, strict=True)}
+    assert [n["network"] for n in links.links_open(networks, addresses)] == ["192.168.1.0/24"]
+    opened = links.links_open(networks, addresses, cidrs=["10.9.0.0/16"])
+    assert links.links_ifname(opened, "n1") == "ib0"
+    assert len(links.links_open(networks, addresses, firewall=False)) == 3

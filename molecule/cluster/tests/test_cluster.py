@@ -34,7 +34,9 @@ def address(name: str) -> str:
     return node(name).interface("eth0").addresses[0]
 
 
-def playbook(path: str, *extra: str) -> subprocess.CompletedProcess[str]:
+def playbook(
+    path: str, *extra: str, env_extra: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run a project playbook against the scenario's inventory, as molecule would."""
     inventory = os.environ.get("MOLECULE_INVENTORY_FILE")
     if not inventory:
@@ -50,6 +52,7 @@ def playbook(path: str, *extra: str) -> subprocess.CompletedProcess[str]:
     )
     env["ANSIBLE_PIPELINING"] = "true"
     env["ANSIBLE_NOCOLOR"] = "1"
+    env.update(env_extra or {})
     return subprocess.run(
         ["ansible-playbook", "-i", inventory, str(PROJECT / path), *extra],
         capture_output=True,
@@ -64,15 +67,6 @@ def playbook(path: str, *extra: str) -> subprocess.CompletedProcess[str]:
 def said(result: subprocess.CompletedProcess[str]) -> str:
     """The playbook's output (failures go to stderr), with the YAML callback's wrapping undone."""
     return " ".join((result.stdout + result.stderr).split())
-
-
-def stack_present() -> bool:
-    """True when provision.yml ran: every node has the provisioning facts and torchrun."""
-    return all(
-        node(name).file("/etc/ansible/facts.d/llama_stack.fact").exists
-        and node(name).file("/opt/llama-cluster/env/bin/torchrun").exists
-        for name in NODES
-    )
 
 
 def test_every_node_resolves_every_other_by_inventory_name() -> None:
@@ -186,76 +180,159 @@ def test_check_fails_naming_the_worker_when_the_master_port_is_blocked() -> None
     assert WORKERS[0] + " cannot" not in said(result)
 
 
-@pytest.mark.skipif("stack_present()", reason="the provisioning facts exist")
+@pytest.fixture
+def facts_aside() -> Iterator[None]:
+    """The local facts prepare recorded (host_facts, llamafactory) moved aside, then back."""
+    for name in NODES:
+        node(name).check_output(
+            "mkdir -p /root/facts-aside && mv %s/* /root/facts-aside/", FACTS_DIR
+        )
+    yield
+    for name in NODES:
+        node(name).check_output("mv /root/facts-aside/* %s/ && rmdir /root/facts-aside", FACTS_DIR)
+
+
+FACTS_DIR = "/etc/ansible/facts.d"
+
+
+@pytest.mark.usefixtures("facts_aside")
 def test_check_without_provisioning_says_run_provision_first() -> None:
     result = playbook("playbooks/check.yml", "-e", '{"preflight_checks": ["consistency"]}')
     assert result.returncode != 0
     assert "run provision.yml first" in said(result)
 
 
-FACTS = {
-    "llama_host": {
-        "os": {"id": "debian", "version": "12", "codename": "bookworm", "key": "debian-12"},
-        "driver_loaded": False,
-        "driver_version": None,
-        "cuda_version": None,
-        "gpu_count": 0,
-        "gpus": [],
-    },
-    "llama_stack": {
-        "python": "3.11.2",
-        "torch": "2.11.0",
-        "torchaudio": "2.11.0",
-        "torchvision": "0.26.0",
-        "transformers": "5.6.0",
-        "llamafactory": "0.9.5",
-        "deepspeed": "0.19.8",
-        "accelerate": "1.11.0",
-        "peft": "0.18.1",
-        "torch_cuda": None,
-        "nccl": None,
-    },
-}
+def _fact(name: str, fact: str) -> dict:
+    return json.loads(node(name).file(f"{FACTS_DIR}/{fact}.fact").content_string)
 
 
 @pytest.fixture
-def provisioning_facts() -> Iterator[None]:
-    """The local facts provision.yml writes (host_facts, llamafactory), as plain fact files."""
-    for name in NODES:
-        for fact, content in FACTS.items():
-            node(name).check_output(
-                "printf '%%s' %s > /etc/ansible/facts.d/%s.fact", json.dumps(content), fact
-            )
-    yield
-    for name in NODES:
-        for fact in FACTS:
-            node(name).run("rm -f /etc/ansible/facts.d/%s.fact", fact)
-
-
-@pytest.mark.skipif("stack_present()", reason="real provisioning facts exist; not overwritten")
-@pytest.mark.usefixtures("provisioning_facts")
-def test_check_consistency_table_then_names_the_node_with_another_torch() -> None:
-    passed = playbook("playbooks/check.yml", "-e", '{"preflight_checks": ["consistency"]}')
-    assert passed.returncode == 0, passed.stdout[-3000:]
-    assert "torchaudio" in passed.stdout
-    assert "2.11.0" in passed.stdout
-
+def odd_torch() -> Iterator[str]:
+    """One node whose recorded torch differs from the others'."""
     odd = NODES[2]
-    stack = dict(FACTS["llama_stack"], torch="2.10.0")
-    node(odd).check_output(
-        "printf '%%s' %s > /etc/ansible/facts.d/llama_stack.fact", json.dumps(stack)
-    )
-    failed = playbook("playbooks/check.yml", "-e", '{"preflight_checks": ["consistency"]}')
+    saved = node(odd).file(f"{FACTS_DIR}/llama_stack.fact").content_string
+    stack = dict(json.loads(saved), torch="2.10.0")
+    node(odd).check_output("printf '%%s' %s > %s/llama_stack.fact", json.dumps(stack), FACTS_DIR)
+    yield odd
+    node(odd).check_output("printf '%%s' %s > %s/llama_stack.fact", saved, FACTS_DIR)
+
+
+def test_check_consistency_table_then_names_the_node_with_another_torch(odd_torch: str) -> None:
+    torch = _fact(NODES[0], "llama_stack")["torch"]
+    # The recorded versions (live ones would win: the mounted stack is the same on every node).
+    recorded = '{"preflight_checks": ["consistency"], "preflight_read_installed": false}'
+    failed = playbook("playbooks/check.yml", "-e", recorded)
     assert failed.returncode != 0
-    assert f"{odd}: torch is 2.10.0, but 2.11.0 on {NODES[0]}, {NODES[1]}" in said(failed)
+    assert "torchaudio" in failed.stdout
+    assert f"{odd_torch}: torch is 2.10.0, but {torch} on {NODES[0]}, {NODES[1]}" in said(failed)
 
 
-@pytest.mark.skipif("not stack_present()", reason="needs provision.yml in converge (torch stack)")
-def test_full_check_passes_with_allreduce() -> None:
+def test_full_check_passes_with_allreduce_and_records_the_links() -> None:
     result = playbook("playbooks/check.yml")
     assert result.returncode == 0, result.stdout[-3000:]
-    assert "all-reduce ok" in result.stdout
-    assert "bus bandwidth" in result.stdout
+    assert "all-reduce ok: gloo, 3 processes" in said(result)
+    assert "bus bandwidth" in said(result)
+    for name in NODES:
+        links = _fact(name, "llama_links")
+        assert links["ifname"] == "eth0"
+        assert links["interfaces"]["eth0"]["address"] == address(name)
+        assert sorted(links["peers"]) == sorted(set(NODES) - {name})
+        for peer in links["peers"].values():
+            assert peer["ifname"] == "eth0"
+            assert peer["tcp_gbps"] > 0.05  # a veth pair: gigabits at least
+            assert 0 < peer["rtt_ms"] < 100
+        allreduce = links["allreduce"]
+        assert (allreduce["backend"], allreduce["nodes"], allreduce["world_size"]) == ("gloo", 3, 3)
+        assert allreduce["busbw_gbps"] > 0
+        assert allreduce["sum_correct"] is True
+
+
+# ---- the go/no-go on a 10 Mbit/s link, measured ------------------------------------------------
+# The lab's containers have no GPUs and the planner models communication for GPU nodes only: the
+# nodes declare one H200 each (their llama_host fact, cluster_accelerator=nvidia for the run);
+# the link is what check.yml measures under the shaping.
+SLOW_MBIT = 10
+H200 = {"index": 0, "name": "NVIDIA H200", "memory_mib": 143771}
+
+
+@pytest.fixture
+def slow_links() -> Iterator[str]:
+    """Every node's eth0 limited to 10 Mbit/s: netem where the kernel has it, else tbf (the
+    qdisc used is returned)."""
+    used = "netem"
+    for name in NODES:
+        host = node(name)
+        netem = host.run(f"tc qdisc replace dev eth0 root netem rate {SLOW_MBIT}mbit delay 1ms")
+        if netem.rc != 0:
+            used = "tbf"
+            host.check_output(
+                f"tc qdisc replace dev eth0 root tbf rate {SLOW_MBIT}mbit burst 16kb latency 50ms"
+            )
+    yield used
+    for name in NODES:
+        node(name).run("tc qdisc del dev eth0 root")
+
+
+@pytest.fixture
+def declared_h200() -> Iterator[None]:
+    """Each node's llama_host fact names one H200 (the recorded one is put back after)."""
+    saved = {name: node(name).file(f"{FACTS_DIR}/llama_host.fact").content_string for name in NODES}
+    for name, content in saved.items():
+        host = dict(json.loads(content), gpus=[H200], gpu_count=1)
+        node(name).check_output("printf '%%s' %s > %s/llama_host.fact", json.dumps(host), FACTS_DIR)
+    yield
+    for name, content in saved.items():
+        node(name).check_output("printf '%%s' %s > %s/llama_host.fact", content, FACTS_DIR)
+
+
+@pytest.mark.usefixtures("declared_h200")
+def test_a_measured_10_mbit_link_refuses_zero3_and_accepts_ddp_with_accumulation(
+    slow_links: str,
+) -> None:
+    # The links only (the all-reduce is test_full_check's): the planner then takes the slowest
+    # TCP stream between two nodes.
+    measured = playbook("playbooks/check.yml", "-e", '{"preflight_checks": ["links"]}')
+    assert measured.returncode == 0, said(measured)[-3000:]
+    for name in NODES:
+        links = _fact(name, "llama_links")
+        for peer in links["peers"].values():
+            assert 0.5 * SLOW_MBIT / 1e3 < peer["tcp_gbps"] < 1.2 * SLOW_MBIT / 1e3, (
+                slow_links,
+                links,
+            )
+        assert "allreduce" not in links  # not measured by this run
+
+    # Molecule's ansible.cfg caches no facts: train.yml reads the GPU nodes' facts (links too).
+    gpus = ("-e", "cluster_accelerator=nvidia", "-e", "model=tiny")
+    refused = playbook("train.yml", *gpus, "-e", "deepspeed=zero3")
+    out = said(refused)
+    assert refused.returncode != 0
+    assert "Refused before launch: 3 nodes would" in out, out[-3000:]
+    figure = re.search(r"\(link ([0-9.]+) Gbit/s, check.yml's slowest TCP stream", out)
+    assert figure, out[-3000:]
+    assert float(figure.group(1)) < 1.2 * SLOW_MBIT / 1e3
+    assert "plan deepspeed=zero3" in out
+    assert "Ways out: fewer nodes:" in out
+    assert "a faster link: at least" in out
+    assert "-e allow_slow_scaling=true" in out
+    assert "Train | Prepare every node" not in out  # refused before any node play
+
+    # The same link, DDP with accumulation: train.yml plans it and the go/no-go passes (--tags
+    # always: the inventory check and the plan, on the controller; no node play runs).
+    accumulate = {
+        "train_args": {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 64}
+    }
+    ddp = ("-e", "deepspeed=none", "-e", json.dumps(accumulate), "--tags", "always")
+    accepted = playbook("train.yml", *gpus, *ddp)
+    out = said(accepted)
+    assert accepted.returncode == 0, out[-3000:]
+    assert "deepspeed=none, micro-batch 1 x accumulation 64" in out
+    assert re.search(
+        r"Scaling \(predicted, per added node\): 1 node .* 3 nodes [0-9,]+ tokens/s", out
+    )
+    assert "Refused" not in out
+    assert "Link between nodes: 0.0" in out
+    assert f"slowest TCP stream, {PREFIX}-cluster-node" in out  # (YAML doubles the quote)
 
 
 def test_bad_input_fails_before_any_node_is_changed() -> None:

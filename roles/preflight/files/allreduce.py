@@ -4,7 +4,8 @@
 Started on every node by torchrun (through the job launcher); each rank fills a tensor with
 rank + 1, all-reduces it (gloo on CPU, NCCL on GPU) and checks that every element equals
 world_size * (world_size + 1) / 2. Rank 0 prints one JSON line and writes it to --result.
-Bus bandwidth follows nccl-tests: algbw * 2 * (n - 1) / n, with algbw = bytes / seconds.
+Bus bandwidth follows nccl-tests: algbw * 2 * (n - 1) / n, with algbw = bytes / seconds; both are
+reported in gigabits per second (*_gbps), the unit of every link figure of the project.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def main() -> int:
     all_correct = int(verdict.item()) == 0
 
     size = elements * 4
-    algbw = size / seconds / 1e9
+    algbw = size * 8 / seconds / 1e9
     result = {
         "check": "allreduce",
         "backend": backend,

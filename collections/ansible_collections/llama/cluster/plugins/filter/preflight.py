@@ -25,16 +25,29 @@ def _text(value: Any) -> str:  # noqa: ANN401 - facts are arbitrary JSON
     return str(value).strip()
 
 
+def _value(facts: dict[str, Any], key: dict[str, Any]) -> str:
+    """One cell: the fact's key, or with `field` that field of each item of a list (the memory
+    of every GPU)."""
+    value = (facts.get(key["fact"]) or {}).get(key["key"])
+    field = key.get("field")
+    if field and isinstance(value, list):
+        value = [item.get(field) if isinstance(item, dict) else item for item in value]
+    return _text(value)
+
+
 def preflight_consistency(
     local_facts: dict[str, dict[str, Any]],
-    keys: list[dict[str, str]],
+    keys: list[dict[str, Any]],
     reference: str,
+    allow_hardware: bool = False,
 ) -> dict[str, Any]:
     """Compare the local facts of every node.
 
-    local_facts maps a host to its ansible_local; keys lists {name, fact, key}; reference is the
-    host whose value wins a tie (the master). Returns missing (host: facts it lacks), rows,
-    a printable table and one message per odd value.
+    local_facts maps a host to its ansible_local; keys lists {name, fact, key, field?,
+    hardware?}; reference is the host whose value wins a tie (the master). Returns missing
+    (host: facts it lacks), rows, a printable table and one message per odd value: in
+    mismatches (refused), or in reported for a hardware key (GPU model, memory, count, driver)
+    when allow_hardware is set.
     """
     facts_needed = sorted({key["fact"] for key in keys})
     missing = {
@@ -44,15 +57,10 @@ def preflight_consistency(
     missing = {host: facts for host, facts in missing.items() if facts}
 
     hosts = list(local_facts)
-    rows = {
-        host: {
-            key["name"]: _text((local_facts[host].get(key["fact"]) or {}).get(key["key"]))
-            for key in keys
-        }
-        for host in hosts
-    }
+    rows = {host: {key["name"]: _value(local_facts[host], key) for key in keys} for host in hosts}
 
     mismatches: list[str] = []
+    reported: list[str] = []
     for key in keys:
         name = key["name"]
         values = {host: rows[host][name] for host in hosts}
@@ -63,9 +71,10 @@ def preflight_consistency(
         leaders = [value for value, count in counts.items() if count == top]
         usual = values.get(reference) if values.get(reference) in leaders else leaders[0]
         agreeing = sorted(host for host, value in values.items() if value == usual)
+        odd = reported if allow_hardware and key.get("hardware") else mismatches
         for host in hosts:
             if values[host] != usual:
-                mismatches.append(
+                odd.append(
                     f"{host}: {name} is {values[host]}, but {usual} on {', '.join(agreeing)}"
                 )
 
@@ -74,6 +83,7 @@ def preflight_consistency(
         "rows": rows,
         "table": _table(hosts, [key["name"] for key in keys], rows),
         "mismatches": mismatches,
+        "reported": reported,
     }
 
 
