@@ -1002,7 +1002,8 @@ def test_train_yaml_adds_the_model_data_and_paths() -> None:
     assert "deepspeed" not in fsdp
     assert "tokenized_path" not in args  # the ranks tokenize unless asked
     stages = ("zero2",)
-    assert train_yaml(plan, "/runs/r1", False, stages, True)["tokenized_path"] == "/runs/r1/tokenized"
+    pretokenized = train_yaml(plan, "/runs/r1", False, stages, True)
+    assert pretokenized["tokenized_path"] == "/runs/r1/tokenized"
     streaming = {**plan, "train_args": {**plan["train_args"], "streaming": True}}
     assert "tokenized_path" not in train_yaml(streaming, "/runs/r1", False, stages, True)
 

@@ -1,4 +1,4 @@
-"""Tokenize a run's datasets once on this node, before its ranks start (LLaMA-Factory's tokenized_path).
+"""Tokenize a run's datasets once on this node, before its ranks start (tokenized_path).
 
     <env>/bin/python pretokenize.py RUN/train.yaml --cache-dir DIR [--keep N] [--log FILE]
 
@@ -80,12 +80,9 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def preprocessing_args(train: dict[str, Any]) -> dict[str, Any]:
-    """The arguments of train.yaml that LLaMA-Factory's preprocessing reads: every data and
-    model argument, and the training arguments it needs (TRAINING_KEYS)."""
-    from llamafactory.hparams import DataArguments, ModelArguments
-
-    names = {f.name for cls in (DataArguments, ModelArguments) for f in dataclasses.fields(cls)}
+def preprocessing_args(train: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """The arguments of train.yaml that LLaMA-Factory's preprocessing reads: those in `names`
+    (every data and model argument) and the training arguments it needs (TRAINING_KEYS)."""
     return {k: v for k, v in train.items() if k in names or k in TRAINING_KEYS}
 
 
@@ -129,25 +126,59 @@ def cache_key(args: dict[str, Any]) -> tuple[str, int]:
     return hashlib.sha256(text.encode()).hexdigest()[:16], size
 
 
-def tokenize(args: dict[str, Any], destination: Path, scratch: Path) -> dict[str, int]:
+def tokenize(train: dict[str, Any], destination: Path, scratch: Path) -> dict[str, int]:
     """LLaMA-Factory's preprocessing of the run's datasets, saved to `destination`: records per
     split. One process, no GPU; the training arguments that only training reads are left out."""
-    from llamafactory.data import get_dataset, get_template_and_fix_tokenizer
-    from llamafactory.hparams import get_train_args
-    from llamafactory.model import load_tokenizer
-
     # datasets' own cache (the files as Arrow, each map step's output) goes to the scratch
-    # directory, removed afterwards: the saved copy is what stays on the node.
+    # directory, removed afterwards: the saved copy is what stays on the node. It is read when
+    # datasets is imported, so LLaMA-Factory (and torch, seconds to import) is imported here,
+    # which also keeps a reuse of a copy free of it.
     os.environ["HF_DATASETS_CACHE"] = str(scratch / "datasets")
+    from llamafactory import data, hparams, model  # noqa: PLC0415 - after HF_DATASETS_CACHE
+
+    fields = (hparams.DataArguments, hparams.ModelArguments)
+    args = preprocessing_args(train, {f.name for c in fields for f in dataclasses.fields(c)})
     run = {**args, "tokenized_path": str(destination), "output_dir": str(scratch / "output")}
     run.update({"report_to": "none", "overwrite_output_dir": True})
-    model_args, data_args, training_args, finetuning_args, _ = get_train_args(run)
-    tokenizer_module = load_tokenizer(model_args)
-    template = get_template_and_fix_tokenizer(tokenizer_module["tokenizer"], data_args)
-    module = get_dataset(
+    model_args, data_args, training_args, finetuning_args, _ = hparams.get_train_args(run)
+    tokenizer_module = model.load_tokenizer(model_args)
+    template = data.get_template_and_fix_tokenizer(tokenizer_module["tokenizer"], data_args)
+    module = data.get_dataset(
         template, model_args, data_args, training_args, finetuning_args.stage, **tokenizer_module
     )
-    return {k: len(v) for k, v in module.items() if hasattr(v, "__len__") and not isinstance(v, dict)}
+    return {
+        k: len(v) for k, v in module.items() if not isinstance(v, dict) and hasattr(v, "__len__")
+    }
+
+
+def make_copy(train: dict[str, Any], target: Path, size: int, log: Path | None) -> dict[str, int]:
+    """Tokenize into a temporary directory beside `target`, then rename it: records per split.
+    LLaMA-Factory's output goes to `log` (stdout and stderr, the progress bars included)."""
+    partial = target.with_name(f".{target.name}.{os.getpid()}")
+    scratch = target.with_name(f".{target.name}.{os.getpid()}.scratch")
+    started = time.monotonic()
+    out, err = os.dup(1), os.dup(2)
+    if log:
+        log.parent.mkdir(parents=True, exist_ok=True)
+    with (log or Path(os.devnull)).open("ab") as handle:
+        os.dup2(handle.fileno(), 1)
+        os.dup2(handle.fileno(), 2)
+        try:
+            records = tokenize(train, partial, scratch)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(out, 1)
+            os.dup2(err, 2)
+            shutil.rmtree(scratch, ignore_errors=True)
+    try:
+        os.rename(partial, target)
+    except OSError:  # another node of shared storage finished first: its copy is the same
+        shutil.rmtree(partial, ignore_errors=True)
+    seconds = round(time.monotonic() - started, 1)
+    info = {"records": records, "seconds": seconds, "dataset_bytes": size, "made": time.time()}
+    target.with_suffix(".json").write_text(json.dumps(info) + "\n")
+    return records
 
 
 def replace_link(link: Path, target: Path) -> None:
@@ -218,30 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         made = target.with_suffix(".json")
         result["records"] = json.loads(made.read_text()).get("records") if made.is_file() else None
     else:
-        partial = cache / f".{key}.{os.getpid()}"
-        scratch = cache / f".{key}.{os.getpid()}.scratch"
-        out, err = os.dup(1), os.dup(2)
-        if options.log:
-            options.log.parent.mkdir(parents=True, exist_ok=True)
-        with (options.log or Path(os.devnull)).open("ab") as log:
-            os.dup2(log.fileno(), 1)  # LLaMA-Factory logs to stdout, progress bars to stderr
-            os.dup2(log.fileno(), 2)
-            try:
-                records = tokenize(preprocessing_args(train), partial, scratch)
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os.dup2(out, 1)
-                os.dup2(err, 2)
-                shutil.rmtree(scratch, ignore_errors=True)
-        seconds = round(time.monotonic() - started, 1)
-        try:
-            os.rename(partial, target)
-        except OSError:  # another node of shared storage finished first: its copy is the same
-            shutil.rmtree(partial, ignore_errors=True)
-        info = {"records": records, "seconds": seconds, "dataset_bytes": size, "made": time.time()}
-        target.with_suffix(".json").write_text(json.dumps(info) + "\n")
-        result.update({"action": "tokenized", "records": records})
+        result["action"] = "tokenized"
+        result["records"] = make_copy(train, target, size, options.log)
     replace_link(link, target)
     result["removed"] = prune(cache, options.keep, target)
     result["seconds"] = round(time.monotonic() - started, 1)
