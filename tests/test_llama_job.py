@@ -448,6 +448,10 @@ def test_the_limit_is_the_tightest_of_the_process_s_cgroup_and_its_parents(tmp_p
             "the kernel killed rank 1 on node2 for host memory: 1.5 of 1.5 GiB in use (the memory "
             "limit of cgroup /docker/abc; OOM killer)"
         )
+    # A high-water mark from before the limit was lowered is the limit when it killed.
+    (tmp_path / "v1/memory/docker/abc/memory.max_usage_in_bytes").write_text(f"{5 << 30}\n")
+    proc = f"4:memory:/{unit_path}\n"
+    assert oom.memory_figures(None, proc, meminfo, tmp_path / "v1")["peak"] == 3 << 29
     # Inside a container's own view of v1, its cgroup is the hierarchy's root, and its parents'
     # limits show only in memory.stat.
     stat = f"cache 0\nhierarchical_memory_limit {3 << 29}\n"

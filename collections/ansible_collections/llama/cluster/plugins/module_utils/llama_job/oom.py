@@ -165,6 +165,10 @@ def memory_figures(
     peak = cgroup_number(limited[1], *peaks) if limited is not None else None
     if peak is None and cgroup is not None:
         peak = cgroup_number(cgroup, *peaks)
+    if peak is not None and limited is not None and peak > limited[0]:
+        # v1's high-water mark dates from before a lowered limit (docker update): the cgroup
+        # was at its limit when the kernel killed
+        peak = limited[0]
     return {
         "total": total,
         "limit": limited[0] if limited is not None else None,
