@@ -281,6 +281,12 @@ def test_tiny_model_trains_across_both_nodes(tiny_run: dict) -> None:
     local = ROOT / "runs" / run_id
     logs = {node: (local / "logs" / f"{node}.log").read_text() for node in NODES}
     assert all("world size: 2" in log for log in logs.values()), "a rank did not see world size 2"
+    # The datasets were tokenized once per node before launch (or that copy reused) and every
+    # rank loaded them from disk.
+    said = _said(output)
+    for node in NODES:
+        assert re.search(rf"{node}: (tokenized|reused the tokenized copy) ", said), said[-3000:]
+        assert f"Loaded tokenized dataset from {RUNS}/{run_id}/tokenized" in logs[node]
     records = [json.loads(x) for x in (local / "trainer_log.jsonl").read_text().splitlines() if x]
     losses = [r["loss"] for r in records if "loss" in r]
     assert losses, "no loss was logged"
@@ -337,6 +343,8 @@ def test_killing_the_worker_stops_every_rank_and_names_it() -> None:
     done, run_id, _ = _fault_run(WORKER, "worker's training process killed")
     _state["worker_fault"] = run_id
     said = _assert_failure_reported(done, WORKER, run_id)
+    # The same data as the first run: every node reused its tokenized copy.
+    assert all(f"{node}: reused the tokenized copy " in said for node in NODES), said[-3000:]
     assert "exit status 1" in said or "killed by signal" in said, said[-3000:]
     assert "First error lines on" in said
     # save_on_each_node: both nodes hold a checkpoint, so the play recommends a resume.
