@@ -433,6 +433,8 @@ def test_the_limit_is_the_tightest_of_the_process_s_cgroup_and_its_parents(tmp_p
         _cgroup(top, {limit: unlimited})
         _cgroup(top / "docker/abc", {limit: str(3 << 29), peak: str(1503 << 20)})
         unit = _cgroup(top / unit_path, {limit: unlimited})
+        if limit == "memory.limit_in_bytes":  # v1 states the inherited limit in every child
+            (unit / "memory.stat").write_text(f"cache 0\nhierarchical_memory_limit {3 << 29}\n")
         proc = f"{line}:/{unit_path}\n"
         assert oom.memory_limit(proc, root) == (3 << 29, top / "docker/abc")
         figures = oom.memory_figures(unit, proc, meminfo, root)

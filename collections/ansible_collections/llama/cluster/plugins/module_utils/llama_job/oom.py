@@ -118,20 +118,22 @@ def memory_limit(proc_cgroup: str, root: Path = CGROUP_ROOT) -> tuple[int, Path]
     if leaf is None:
         return None
     top = root / "memory" if leaf.is_relative_to(root / "memory") else root
-    found: list[tuple[int, Path]] = []
+    found: list[tuple[int, int, Path]] = []  # (bytes, 1 for a hierarchical figure, cgroup)
     directory = leaf
     while True:
         if directory.is_dir():
             own = cgroup_number(directory, "memory.max", "memory.limit_in_bytes")
             if own is not None:
-                found.append((own, directory))
+                found.append((own, 0, directory))
             stated = counter(read_text(directory / "memory.stat"), "hierarchical_memory_limit")
             if stated is not None and stated < 1 << 60:
-                found.append((stated, directory))
+                found.append((stated, 1, directory))
         if directory in (top, directory.parent):
             break
         directory = directory.parent
-    return min(found, key=lambda limit: limit[0]) if found else None
+    # a tie goes to the cgroup whose own limit it is, not to a child that inherits it
+    best = min(found, key=lambda limit: limit[:2]) if found else None
+    return (best[0], best[2]) if best is not None else None
 
 
 def cgroup_name(directory: Path, root: Path = CGROUP_ROOT) -> str:
