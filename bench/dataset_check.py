@@ -6,7 +6,7 @@ record in 100,000, then checks it in a child process, as the Ansible module runs
 wall time, throughput and the child's peak resident memory. Not a test: run it by hand.
 
     python bench/dataset_check.py --gib 1 [--jsonl] [--dir /tmp] [--keep]
-    python bench/dataset_check.py --gib 1 --valid --write-only --dir /tmp    a valid file to train on
+    python bench/dataset_check.py --gib 1 --valid --write-only --dir /tmp   (a file to train on)
 """
 
 from __future__ import annotations
