@@ -6,6 +6,7 @@ record in 100,000, then checks it in a child process, as the Ansible module runs
 wall time, throughput and the child's peak resident memory. Not a test: run it by hand.
 
     python bench/dataset_check.py --gib 1 [--jsonl] [--dir /tmp] [--keep]
+    python bench/dataset_check.py --gib 1 --valid --write-only --dir /tmp   (a file to train on)
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ print(json.dumps({"seconds": time.monotonic() - started, "records": report.recor
 """
 
 
-def _record(rng: random.Random, number: int) -> dict:
+def _record(rng: random.Random, number: int, bad_every: int = 100_000) -> dict:
     """A conversation of 1-3 exchanges with texts of a few hundred characters."""
     words = ["cluster", "gradient", "node", "rank", "token", "batch", "epoch", "checkpoint"]
     messages = []
@@ -42,16 +43,16 @@ def _record(rng: random.Random, number: int) -> dict:
         for role in ("human", "gpt"):
             text = " ".join(rng.choice(words) for _ in range(rng.randint(10, 80)))
             messages.append({"from": role, "value": f"{number}: {text}"})
-    if number % 100_000 == 99_999:
+    if bad_every and number % bad_every == bad_every - 1:
         messages[-1]["from"] = "robot"
     return {"conversations": messages}
 
 
-def write(path: Path, size: int, jsonl: bool) -> int:
+def write(path: Path, size: int, jsonl: bool, valid: bool = False) -> int:
     """Write records until the file holds size bytes; returns the record count.
 
     Cycles through 1,000 different records (serialising each of millions is slower than the
-    check); one record in 100,000 is bad.
+    check); one record in 100,000 is bad, unless `valid`.
     """
     rng = random.Random(1)
     pool = [json.dumps(_record(rng, n), ensure_ascii=False) for n in range(1000)]
@@ -60,7 +61,7 @@ def write(path: Path, size: int, jsonl: bool) -> int:
     with path.open("w", encoding="utf-8") as out:
         out.write("" if jsonl else "[\n")
         while out.tell() < size:
-            text = bad if count % 100_000 == 99_999 else pool[count % 1000]
+            text = bad if count % 100_000 == 99_999 and not valid else pool[count % 1000]
             out.write(text + "\n" if jsonl else ("" if count == 0 else ",\n") + text)
             count += 1
         out.write("" if jsonl else "\n]\n")
@@ -74,13 +75,17 @@ def main() -> int:
     parser.add_argument("--jsonl", action="store_true")
     parser.add_argument("--dir", default=tempfile.gettempdir())
     parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--valid", action="store_true", help="no bad record")
+    parser.add_argument("--write-only", action="store_true", help="write the file and keep it")
     args = parser.parse_args()
     path = Path(args.dir) / f"bench-dataset.{'jsonl' if args.jsonl else 'json'}"
     started = time.monotonic()
-    count = write(path, int(args.gib * (1 << 30)), args.jsonl)
+    count = write(path, int(args.gib * (1 << 30)), args.jsonl, args.valid)
     size = path.stat().st_size
     print(f"wrote {path}: {size / (1 << 30):.2f} GiB, {count} records in "
           f"{time.monotonic() - started:.0f} s")  # fmt: skip
+    if args.write_only:
+        return 0
     try:
         done = subprocess.run(
             [sys.executable, "-c", CHILD, str(ROOT), str(path)],

@@ -383,24 +383,88 @@ def test_memory_figures_come_from_meminfo_and_the_unit_s_cgroup(tmp_path: Path):
     unit.mkdir()
     (unit / "memory.max").write_text("max\n")
     (unit / "memory.peak").write_text(f"{126 << 30}\n")
-    assert oom.memory_figures(unit, meminfo) == {
+    assert oom.memory_figures(unit, meminfo=meminfo, root=tmp_path) == {
         "total": 128 << 30,
         "limit": None,
+        "limit_cgroup": None,
+        "unit_limited": False,
         "peak": 126 << 30,
     }
     (unit / "memory.max").write_text(f"{30 << 30}\n")
-    assert oom.memory_figures(unit, meminfo)["limit"] == 30 << 30
+    limited = oom.memory_figures(unit, meminfo=meminfo, root=tmp_path)
+    assert (limited["limit"], limited["limit_cgroup"], limited["unit_limited"]) == (
+        30 << 30,
+        "/unit",
+        True,
+    )
     v1 = tmp_path / "v1"
     v1.mkdir()
     (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
     (v1 / "memory.max_usage_in_bytes").write_text("1073741824\n")
-    assert oom.memory_figures(v1, meminfo)["limit"] is None
-    assert oom.memory_figures(v1, meminfo)["peak"] == 1 << 30
-    assert oom.memory_figures(None, tmp_path / "absent") == {
+    assert oom.memory_figures(v1, meminfo=meminfo)["limit"] is None
+    assert oom.memory_figures(v1, meminfo=meminfo)["peak"] == 1 << 30
+    assert oom.memory_figures(None, meminfo=tmp_path / "absent") == {
         "total": None,
         "limit": None,
+        "limit_cgroup": None,
+        "unit_limited": False,
         "peak": None,
     }
+
+
+def _cgroup(directory: Path, files: dict[str, str]) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (directory / name).write_text(text + "\n")
+    return directory
+
+
+def test_the_limit_is_the_tightest_of_the_process_s_cgroup_and_its_parents(tmp_path: Path):
+    """A lab node: a 1.5 GiB container on a 23.5 GiB machine, the job's unit below it."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal:       {int(23.5 * (1 << 20))} kB\n")
+    unit_path = "docker/abc/system.slice/llama-t-rank0.service"
+    hierarchies = (  # cgroup v2, then v1: the limit's file, the peak's, "no limit", /proc's line
+        (tmp_path / "v2", tmp_path / "v2", "memory.max", "memory.peak", "max", "0:"),
+        (tmp_path / "v1", tmp_path / "v1/memory", "memory.limit_in_bytes",
+         "memory.max_usage_in_bytes", "9223372036854771712", "4:memory"),
+    )  # fmt: skip
+    for root, top, limit, peak, unlimited, line in hierarchies:
+        _cgroup(top, {limit: unlimited})
+        _cgroup(top / "docker/abc", {limit: str(3 << 29), peak: str(1503 << 20)})
+        unit = _cgroup(top / unit_path, {limit: unlimited})
+        if limit == "memory.limit_in_bytes":  # v1 states the inherited limit in every child
+            (unit / "memory.stat").write_text(f"cache 0\nhierarchical_memory_limit {3 << 29}\n")
+        proc = f"{line}:/{unit_path}\n"
+        assert oom.memory_limit(proc, root) == (3 << 29, top / "docker/abc")
+        figures = oom.memory_figures(unit, proc, meminfo, root)
+        assert figures == {
+            "total": int(23.5 * (1 << 30)),
+            "limit": 3 << 29,
+            "limit_cgroup": "/docker/abc",
+            "unit_limited": False,
+            "peak": 1503 << 20,
+        }
+        cause = oom.host_oom_cause({"source": "cgroup", "victim": None}, [], figures)
+        assert oom.describe_cause({**cause, "rank": 1}, "node2") == (
+            "the kernel killed rank 1 on node2 for host memory: 1.5 of 1.5 GiB in use (the memory "
+            "limit of cgroup /docker/abc; OOM killer)"
+        )
+    # A high-water mark from before the limit was lowered is the limit when it killed.
+    (tmp_path / "v1/memory/docker/abc/memory.max_usage_in_bytes").write_text(f"{5 << 30}\n")
+    proc = f"4:memory:/{unit_path}\n"
+    assert oom.memory_figures(None, proc, meminfo, tmp_path / "v1")["peak"] == 3 << 29
+    # Inside a container's own view of v1, its cgroup is the hierarchy's root, and its parents'
+    # limits show only in memory.stat.
+    stat = f"cache 0\nhierarchical_memory_limit {3 << 29}\n"
+    own = _cgroup(
+        tmp_path / "own/memory",
+        {"memory.limit_in_bytes": "9223372036854771712", "memory.stat": stat},
+    )
+    assert oom.memory_limit(f"4:memory:/{unit_path}\n", tmp_path / "own") == (3 << 29, own)
+    # No limit anywhere: the node's RAM is the budget.
+    assert oom.memory_limit("0::/\n", tmp_path / "v2") is None
+    assert oom.memory_limit("", tmp_path) is None
 
 
 def _gib(tried: float, free: float, total: float) -> dict[str, float]:
@@ -444,11 +508,11 @@ def test_the_cause_is_said_with_the_rank_the_node_and_the_figures():
     limited = oom.host_oom_cause(
         {"source": "cgroup", "victim": None},
         [],
-        {"total": 128 << 30, "limit": 8 << 30, "peak": 8 << 30},
+        {"total": 128 << 30, "limit": 8 << 30, "peak": 8 << 30, "unit_limited": True},
     )
     assert oom.describe_cause(limited, "node1") == (
-        "the kernel killed a process of the job on node1 for its unit's memory limit: 8.0 of 8.0 "
-        "GiB in use (OOM killer)"
+        "the kernel killed a process of the job on node1 for host memory: 8.0 of 8.0 GiB in use "
+        "(its unit's memory limit; OOM killer)"
     )
     unread = oom.host_oom_cause({"source": "node", "victim": None}, failures, host)
     assert oom.describe_cause(unread, "node1").startswith(

@@ -1030,6 +1030,12 @@ def test_train_yaml_adds_the_model_data_and_paths() -> None:
     fsdp = train_yaml({**plan, "deepspeed": "fsdp"}, "/runs/r1")
     assert fsdp["fsdp_config"] == "/runs/r1/fsdp_config.json"
     assert "deepspeed" not in fsdp
+    assert "tokenized_path" not in args  # the ranks tokenize unless asked
+    stages = ("zero2",)
+    pretokenized = train_yaml(plan, "/runs/r1", False, stages, True)
+    assert pretokenized["tokenized_path"] == "/runs/r1/tokenized"
+    streaming = {**plan, "train_args": {**plan["train_args"], "streaming": True}}
+    assert "tokenized_path" not in train_yaml(streaming, "/runs/r1", False, stages, True)
 
 
 def test_dataset_info_registers_each_file_beside_it() -> None:

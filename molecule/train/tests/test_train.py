@@ -45,6 +45,10 @@ FAULT_CHECKPOINT = 10
 RANK_DIES_S = 30
 NODE_KILLED_S = 60
 NODE_FROZEN_MIN_S = 120
+# The worker's memory in the host-memory test: above what the node needs before launch (systemd,
+# sshd, Ansible's modules: about 50 MiB), below what the launchers and a rank of the tiny model
+# need (resident: llamafactory-cli 0.8 GiB, torchrun 0.55 GiB, a rank 0.75 GiB on the lab).
+HOST_LIMIT_MIB = 768
 
 _state: dict[str, str] = {}
 _timings: dict[str, float] = {}
@@ -278,6 +282,12 @@ def test_tiny_model_trains_across_both_nodes(tiny_run: dict) -> None:
     local = ROOT / "runs" / run_id
     logs = {node: (local / "logs" / f"{node}.log").read_text() for node in NODES}
     assert all("world size: 2" in log for log in logs.values()), "a rank did not see world size 2"
+    # The datasets were tokenized once per node before launch (or that copy reused) and every
+    # rank loaded them from disk.
+    said = _said(output)
+    for node in NODES:
+        assert re.search(rf"{node}: (tokenized|reused the tokenized copy) ", said), said[-3000:]
+        assert f"Loaded tokenized dataset from {RUNS}/{run_id}/tokenized" in logs[node]
     records = [json.loads(x) for x in (local / "trainer_log.jsonl").read_text().splitlines() if x]
     losses = [r["loss"] for r in records if "loss" in r]
     assert losses, "no loss was logged"
@@ -334,6 +344,8 @@ def test_killing_the_worker_stops_every_rank_and_names_it() -> None:
     done, run_id, _ = _fault_run(WORKER, "worker's training process killed")
     _state["worker_fault"] = run_id
     said = _assert_failure_reported(done, WORKER, run_id)
+    # The same data as the first run: every node reused its tokenized copy.
+    assert all(f"{node}: reused the tokenized copy " in said for node in NODES), said[-3000:]
     assert "exit status 1" in said or "killed by signal" in said, said[-3000:]
     assert "First error lines on" in said
     # save_on_each_node: both nodes hold a checkpoint, so the play recommends a resume.
@@ -348,6 +360,40 @@ def test_killing_rank0_stops_every_rank_and_names_it() -> None:
     done, run_id, _ = _fault_run(MASTER, "rank 0's training process killed")
     _state["rank0_fault"] = run_id
     _assert_failure_reported(done, MASTER, run_id)
+    _assert_nothing_active()
+
+
+def test_a_rank_the_kernel_kills_for_host_memory_is_named_with_the_node_s_real_limit() -> None:
+    """The worker's container limited to HOST_LIMIT_MIB (docker update): the kernel's OOM killer
+    ends a process of the job as it starts (the largest: the launcher or the rank), and the play
+    says so with the container's limit, not the 23.5 GiB of the machine the container runs on.
+    No pretokenize step here: it would meet the limit first."""
+    limit = f"{HOST_LIMIT_MIB}m"
+    subprocess.run(
+        ["docker", "update", "--memory", limit, "--memory-swap", limit, WORKER],
+        check=True,
+        capture_output=True,
+    )
+    started = time.monotonic()
+    try:
+        done = _playbook("train.yml", "-e", "model=tiny", "-e", "training_pretokenize=false")
+    finally:
+        subprocess.run(
+            ["docker", "update", "--memory", "32g", "--memory-swap", "32g", WORKER],
+            check=True,
+            capture_output=True,
+        )
+    said = _assert_failure_reported(done, WORKER, _run_id(done.stdout))
+    found = re.search(
+        rf"the kernel killed (rank 1|pid \d+ \([^)]*\)|a process of the job) on {WORKER} for host "
+        r"memory: ([\d.]+) of ([\d.]+) GiB in use "
+        r"\(the memory limit of cgroup (/\S+); OOM killer\)",
+        said,
+    )
+    assert found, said[-3000:]
+    assert float(found.group(3)) == round(HOST_LIMIT_MIB / 1024, 1), found.group(0)
+    assert float(found.group(2)) <= float(found.group(3))
+    print(f"{found.group(0)} ({time.monotonic() - started:.0f} s)")
     _assert_nothing_active()
 
 

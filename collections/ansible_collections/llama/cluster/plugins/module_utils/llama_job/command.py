@@ -230,5 +230,7 @@ class Command:
                 os.getuid(),
             )
             if evidence:
-                return host_oom_cause(evidence, failures, memory_figures(self.cgroup))
+                # the ranks run in this process's cgroup: its limit, or a parent's, is theirs
+                memory = memory_figures(self.cgroup, read_text(Path("/proc/self/cgroup")))
+                return host_oom_cause(evidence, failures, memory)
         return cuda_oom(text, failures)

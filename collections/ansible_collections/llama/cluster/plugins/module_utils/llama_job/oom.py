@@ -97,27 +97,86 @@ def oom_counters(cgroup: Path | None, vmstat: Path = Path("/proc/vmstat")) -> di
     }
 
 
-def memory_figures(
-    cgroup: Path | None, meminfo: Path = Path("/proc/meminfo")
-) -> dict[str, int | None]:
-    """The node's memory and, when known, the job cgroup's limit and peak use, in bytes."""
+def cgroup_number(directory: Path, *names: str) -> int | None:
+    """The first of a cgroup's files that holds a number, in bytes; None for none or no limit."""
+    for name in names:
+        text = read_text(directory / name).strip()
+        if text.isdigit():
+            return int(text) if int(text) < 1 << 60 else None  # v1 says "no limit" so
+    return None
 
-    def number(*names: str) -> int | None:
-        for name in names:
-            text = read_text(cgroup / name).strip() if cgroup is not None else ""
-            if text.isdigit():
-                return int(text) if int(text) < 1 << 60 else None  # v1 says "no limit" so
+
+def memory_limit(proc_cgroup: str, root: Path = CGROUP_ROOT) -> tuple[int, Path] | None:
+    """The tightest memory limit a process is under, and the cgroup that sets it.
+
+    Its memory cgroup's limit and every parent's up to the hierarchy's root (v2 memory.max, v1
+    memory.limit_in_bytes): a container's limit is usually a parent's, as a unit's cgroup sits
+    below the container's. v1's hierarchical_memory_limit (memory.stat) also counts the parents
+    a container's own view of the hierarchy hides. None where no limit is set.
+    """
+    leaf = cgroup_dir(proc_cgroup, root)
+    if leaf is None:
         return None
+    top = root / "memory" if leaf.is_relative_to(root / "memory") else root
+    found: list[tuple[int, int, Path]] = []  # (bytes, 1 for a hierarchical figure, cgroup)
+    directory = leaf
+    while True:
+        if directory.is_dir():
+            own = cgroup_number(directory, "memory.max", "memory.limit_in_bytes")
+            if own is not None:
+                found.append((own, 0, directory))
+            stated = counter(read_text(directory / "memory.stat"), "hierarchical_memory_limit")
+            if stated is not None and stated < 1 << 60:
+                found.append((stated, 1, directory))
+        if directory in (top, directory.parent):
+            break
+        directory = directory.parent
+    # a tie goes to the cgroup whose own limit it is, not to a child that inherits it
+    best = min(found, key=lambda limit: limit[:2]) if found else None
+    return (best[0], best[2]) if best is not None else None
 
+
+def cgroup_name(directory: Path, root: Path = CGROUP_ROOT) -> str:
+    """A cgroup's path as /proc/<pid>/cgroup writes it (/docker/<id>/system.slice/x.service)."""
+    for top in (root / "memory", root):
+        if directory.is_relative_to(top):
+            relative = directory.relative_to(top).as_posix()
+            return "/" if relative == "." else f"/{relative}"
+    return str(directory)
+
+
+def memory_figures(
+    cgroup: Path | None,
+    proc_cgroup: str = "",
+    meminfo: Path = Path("/proc/meminfo"),
+    root: Path = CGROUP_ROOT,
+) -> dict[str, Any]:
+    """The memory a job's processes had, in bytes: the node's MemTotal, the tightest limit of
+    the process's cgroup and its parents (`proc_cgroup`: its /proc/<pid>/cgroup) with that
+    cgroup's path, and the peak use of that cgroup (else of the unit's, `cgroup`)."""
     total = next(
         (int(line.split()[1]) * 1024 for line in read_text(meminfo).splitlines()
          if line.startswith("MemTotal:") and line.split()[1].isdigit()),
         None,
     )  # fmt: skip
+    limited = memory_limit(proc_cgroup, root) if proc_cgroup else None
+    if limited is None and cgroup is not None:
+        own = cgroup_number(cgroup, "memory.max", "memory.limit_in_bytes")
+        limited = (own, cgroup) if own is not None else None
+    peaks = ("memory.peak", "memory.max_usage_in_bytes")
+    peak = cgroup_number(limited[1], *peaks) if limited is not None else None
+    if peak is None and cgroup is not None:
+        peak = cgroup_number(cgroup, *peaks)
+    if peak is not None and limited is not None and peak > limited[0]:
+        # v1's high-water mark dates from before a lowered limit (docker update): the cgroup
+        # was at its limit when the kernel killed
+        peak = limited[0]
     return {
         "total": total,
-        "limit": number("memory.max", "memory.limit_in_bytes"),
-        "peak": number("memory.peak", "memory.max_usage_in_bytes"),
+        "limit": limited[0] if limited is not None else None,
+        "limit_cgroup": cgroup_name(limited[1], root) if limited is not None else None,
+        "unit_limited": limited is not None and cgroup is not None and limited[1] == cgroup,
+        "peak": peak,
     }
 
 
@@ -229,7 +288,7 @@ def host_oom_cause(
     else:
         rank = killed[0]["rank"] if killed else None
     total, limit = memory.get("total"), memory.get("limit")
-    by_unit = limit is not None and (total is None or limit < total)
+    by_cgroup = limit is not None and (total is None or limit < total)
     return {
         "kind": "host_oom",
         "source": evidence["source"],
@@ -238,8 +297,11 @@ def host_oom_cause(
         "process": victim.get("process"),
         "rss_gib": gib(victim.get("rss")),
         "peak_gib": gib(memory.get("peak")),
-        "total_gib": gib(limit if by_unit else total),
-        "limit": "unit" if by_unit else "host",
+        "total_gib": gib(limit if by_cgroup else total),
+        # what set the limit: the node's RAM, the job's own unit, or a cgroup above the job
+        # (a container's, a slice's), named by its path
+        "limit": ("unit" if memory.get("unit_limited") else "cgroup") if by_cgroup else "host",
+        "limit_cgroup": memory.get("limit_cgroup") if by_cgroup else None,
     }
 
 
@@ -285,7 +347,12 @@ def describe_cause(cause: dict[str, Any], node: str, step: object = None) -> str
             f"{who} on {node} was killed as the kernel's OOM killer ran there (host memory: "
             f"{total} GiB; the kernel log, which names its victim, is not readable to the job)"
         )
-    budget = "its unit's memory limit" if cause.get("limit") == "unit" else "host memory"
+    if cause.get("limit") == "unit":
+        limit = "its unit's memory limit; "
+    elif cause.get("limit") == "cgroup":
+        limit = f"the memory limit of cgroup {cause.get('limit_cgroup')}; "
+    else:
+        limit = ""
     if total is None:
         figures = ""
     elif cause.get("peak_gib") is not None:
@@ -294,4 +361,4 @@ def describe_cause(cause: dict[str, Any], node: str, step: object = None) -> str
         figures = f": it held {cause['rss_gib']} of {total} GiB"
     else:
         figures = f" ({total} GiB)"
-    return f"the kernel killed {who} on {node} for {budget}{figures} (OOM killer)"
+    return f"the kernel killed {who} on {node} for host memory{figures} ({limit}OOM killer)"

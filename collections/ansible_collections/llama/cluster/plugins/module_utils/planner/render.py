@@ -15,8 +15,14 @@ def train_yaml(
     run_dir: str,
     shared_storage: bool = False,
     deepspeed_stages: Sequence[str] = ("zero0", "zero1", "zero2", "zero3", "zero3_offload"),
+    pretokenize: bool = False,
 ) -> dict[str, Any]:
-    """What train.yaml holds: the plan's training arguments plus the model, data and paths."""
+    """What train.yaml holds: the plan's training arguments plus the model, data and paths.
+
+    pretokenize: the ranks load the datasets tokenized before launch from <run>/tokenized
+    (roles/run_config/tasks/tokenize.yml makes it); never for streaming datasets, which
+    LLaMA-Factory cannot save.
+    """
     model = plan["model"]
     lora = model["finetuning_type"] == "lora"
     args = {k: v for k, v in plan["train_args"].items() if lora or k not in LORA_KEYS}
@@ -41,6 +47,8 @@ def train_yaml(
     if plan["deepspeed"] == "fsdp":
         args["fsdp"] = "full_shard auto_wrap"
         args["fsdp_config"] = f"{run_dir}/fsdp_config.json"
+    if pretokenize and not args.get("streaming"):
+        args["tokenized_path"] = f"{run_dir}/tokenized"
     if int(plan["nnodes"]) > 1 and not shared_storage:
         args["save_on_each_node"] = True
     return args
