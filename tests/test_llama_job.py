@@ -50,6 +50,12 @@ stall_at = int(os.environ.get("STALL_AT", "-1"))
 give_up_at = int(os.environ.get("GIVE_UP_AT", "-1"))
 oom_at = int(os.environ.get("OOM_AT", "-1"))
 fail_once_at = int(os.environ.get("FAIL_ONCE_AT", "-1"))  # fails there on the first attempt only
+if os.environ.get("RANK_PID_FILE"):  # a rank as torch's elastic agent starts one: own session
+    import subprocess
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)", __file__],
+                            start_new_session=True)
+    with open(os.environ["RANK_PID_FILE"], "w") as out:
+        out.write(str(rank.pid))
 for step in range(1, steps + 1):
     time.sleep(pause)
     if step == oom_at and os.environ.get("OOM_CGROUP"):  # into a small memory cgroup, and fill it
@@ -646,6 +652,26 @@ def test_a_stalled_run_is_ended(pair_factory):
     assert reason["kind"] == "stalled", pair.logs()
     assert reason["message"].startswith("no new step in trainer_log.jsonl for ")
     assert elapsed < 30
+    assert pair.leftovers() == []
+
+
+def test_a_stopped_rank_in_a_session_of_its_own_is_named_and_ended(pair_factory, tmp_path: Path):
+    """SIGSTOP on a worker's rank that its launcher started in a session of its own, as torch's
+    elastic agent starts every rank: the stall is blamed on that node, not on rank 0's, and the
+    rank is ended with the rest (it was in neither the runner's session nor the command's group)."""
+    pid_file = tmp_path / "rank.pid"
+    pair = pair_factory(STALL_AT="8", worker_env={"RANK_PID_FILE": str(pid_file)})
+    pair.wait_running()
+    deadline = time.monotonic() + 10
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    rank = int(pid_file.read_text())
+    assert os.getsid(rank) != os.getsid(pair.procs["w"].pid)  # a session of its own
+    os.kill(rank, signal.SIGSTOP)
+    pair.wait_ended(timeout=40)
+    reason = pair.state("m")["reason"]
+    assert (reason["node"], reason["kind"]) == ("w", "stalled"), pair.logs()
+    assert reason["message"].endswith("; stopped processes on w"), reason["message"]
     assert pair.leftovers() == []
 
 
