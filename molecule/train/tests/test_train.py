@@ -552,16 +552,21 @@ def _restore_power(node: str) -> None:
         _node(node, f"while iptables -D {rule} 2>/dev/null; do :; done")
 
 
-def test_a_worker_that_loses_power_mid_run_stops_every_rank_with_nobody_watching() -> None:
-    """A detached run; the worker's traffic cut without closing a socket (what a power loss or
-    a dead switch looks like from the other side): every rank on both nodes stops within
-    job_peer_timeout + job_stop_timeout (+ slack), and the master's verdict names the worker."""
+@pytest.mark.parametrize("watched", [False, True], ids=["detached", "watched"])
+def test_a_worker_that_loses_power_mid_run_stops_every_rank_and_is_named(watched: bool) -> None:
+    """The worker's traffic cut without closing a socket (what a power loss or a dead switch
+    looks like from the other side), with nobody watching and under a watching play: every rank
+    on both nodes stops within job_peer_timeout + job_stop_timeout (+ slack), and the verdict
+    (status.yml's, or the play's) names the worker."""
     before = _runs()
-    started = _playbook(
-        "train.yml", "-e", "model=tiny", "-e", json.dumps(LONG_RUN), "-e", "detach=true"
-    )
-    assert started.returncode == 0, started.stdout[-4000:]
-    run_id = _wait_for_new_run(None, before)
+    play = None
+    run = ["train.yml", "-e", "model=tiny", "-e", json.dumps(LONG_RUN)]
+    if watched:
+        play = Play(*run)
+    else:
+        started = _playbook(*run, "-e", "detach=true")
+        assert started.returncode == 0, started.stdout[-4000:]
+    run_id = _wait_for_new_run(play, before)
     clocks = _timeouts(run_id)
     bound = clocks["peer"] + clocks["stop"] + POWER_LOSS_SLACK_S
     cut_at = _cut_power(WORKER)
@@ -570,12 +575,17 @@ def test_a_worker_that_loses_power_mid_run_stops_every_rank_with_nobody_watching
     finally:
         _restore_power(WORKER)
     _record(
-        "worker loses power, nobody watching (its traffic dropped)",
+        f"worker loses power, {'a play watching' if watched else 'nobody watching'} "
+        "(its traffic dropped)",
         elapsed,
         bound,
         f"job_peer_timeout ({clocks['peer']:.0f} s) + job_stop_timeout ({clocks['stop']:.0f} s) "
         f"from the run's spec + {POWER_LOSS_SLACK_S} s for a loaded 2-core machine",
     )
+    gone = f"stopped answering (no heartbeat for {clocks['peer']:.0f} s)"
+    if play is not None:
+        said = _assert_failure_reported(play.wait(timeout=300), WORKER, run_id)
+        assert gone in said, said[-3000:]
     # Its network back, the worker finds the master's runner gone and ends its own part.
     deadline = time.monotonic() + 60
     while _jobs(WORKER, "list", "--active")["jobs"] and time.monotonic() < deadline:
@@ -583,7 +593,7 @@ def test_a_worker_that_loses_power_mid_run_stops_every_rank_with_nobody_watching
     status = _playbook("playbooks/status.yml", "-e", f"run_id={run_id}")
     said = _said(status.stdout)
     assert f"Run {run_id}: failed on {WORKER}" in said, status.stdout[-3000:]
-    assert f"stopped answering (no heartbeat for {clocks['peer']:.0f} s)" in said, said[-3000:]
+    assert gone in said, said[-3000:]
     _assert_nothing_active()
 
 
