@@ -757,6 +757,50 @@ def test_start_status_and_stop_through_the_contract_without_systemd(tmp_path: Pa
 
 
 @needs_root
+def test_a_worker_that_lost_its_runner_rejoins_and_the_restart_finishes_the_job(tmp_path: Path):
+    """The worker's whole session SIGKILLed (what a node killed and started again leaves:
+    root's record, a state that never ended): `rejoin`, as the node runs it at boot, starts its
+    part again within the master's restart window, and the job restarts and finishes. The
+    master's part, whose runner lives, is left alone; a second rejoin starts nothing."""
+    records = tmp_path / "records"
+    pair = _specs(tmp_path, restarts=1, steps=40)
+    try:
+        for host in ("m", "w"):
+            _verb(
+                records, "start", "--spec", str(tmp_path / f"{host}.json"), "--user", "root",
+                "--supervisor", "process",
+            )  # fmt: skip
+        pair.wait_running()
+        pair.wait_step(3)
+        runner = pair.state("w")["pid"]
+        for pid in procs.session_members(runner):
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while pair.state("m").get("phase") != "restarting" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pair.state("m").get("phase") == "restarting", pair.logs()
+        rejoined = _verb(records, "rejoin")
+        assert [(r["job"], r["host"]) for r in rejoined["rejoined"]] == [("t", "w")], rejoined
+        assert [(r["host"], r["why"]) for r in rejoined["skipped"]] == [
+            ("m", "its runner runs, or it was stopped")
+        ]
+        again = _verb(records, "rejoin")
+        assert again["rejoined"] == [], again
+        ended = _verb(records, "wait", "--job", "t", "--until", "ended", "--timeout", "60")
+        assert ended["ended"], pair.logs()
+        master = pair.state("m")
+        assert master["phase"] == "succeeded", pair.logs()
+        assert [(r["after"]["node"], r["after"]["kind"]) for r in master["restarts"]] == [
+            ("w", "vanished")
+        ]
+        assert pair.state("w")["phase"] == "succeeded"
+        assert pair.leftovers() == []
+    finally:
+        _verb(records, "stop", "--job", "t", "--timeout", "5")
+        pair.close()
+
+
+@needs_root
 def test_start_refuses_a_taken_master_port_naming_the_process(tmp_path: Path):
     records = tmp_path / "records"
     pair = _specs(tmp_path)
