@@ -663,20 +663,24 @@ def test_detached_run_is_followed_logged_and_stopped_without_systemd() -> None:
     assert "adapter" not in _node(MASTER, f"ls {RUNS}/{run_id}/output"), "it finished too soon"
 
 
-# The last fault: a node killed outright. The container is started again afterwards (and its
-# ephemeral port range restored), so that tests after this one find both nodes.
-def test_killing_a_worker_node_stops_every_rank_and_the_play_reports_without_it() -> None:
+# The last fault: a node killed outright, twice in one watched run with one restart allowed.
+# Started again, it rejoins (llama-job-rejoin.service at boot) and the run restarts; killed
+# again, no restart is left and the play reports without it. The container is started again
+# afterwards (and its ephemeral port range restored), so that tests after this one find both.
+def test_a_killed_worker_node_stops_every_rank_rejoins_when_it_boots_then_is_reported() -> None:
     before = _runs()
     _state[f"address-{WORKER}"] = _address(WORKER)
-    play = Play("train.yml", "-e", "model=tiny", "-e", json.dumps(LONG_RUN))
+    play = Play("train.yml", "-e", "model=tiny", "-e", json.dumps(LONG_RUN), "-e", "max_restarts=1")
     run_id = _wait_for_new_run(play, before)
     subprocess.run(["docker", "kill", WORKER], check=True, capture_output=True)
     killed_at = time.monotonic()
     try:
         elapsed = _time_until_stopped(killed_at, (MASTER,), NODE_KILLED_S)
-        done = play.wait(timeout=300)
     finally:
         _revive(WORKER)
+    _wait_for_attempt(run_id, 2, play)
+    rejoined_s = time.monotonic() - killed_at
+    print(f"{WORKER} killed, started again: attempt 2 ran {rejoined_s:.0f} s after the kill")
     _record(
         "worker node killed (docker kill)",
         elapsed,
@@ -684,9 +688,34 @@ def test_killing_a_worker_node_stops_every_rank_and_the_play_reports_without_it(
         "its connections close at once, so a rank's bound (a second or two + job_stop_timeout); "
         "60 s leaves room for the container's end on a loaded 2-core machine",
     )
+    worker_log = _node(WORKER, f"cat {RUNS}/{run_id}/logs/{WORKER}.log")
+    assert worker_log.count(f"job {run_id} rank 1 (worker)") == 2, "its runner did not rejoin"
+    assert "restart: attempt 2" in worker_log
+    subprocess.run(["docker", "kill", WORKER], check=True, capture_output=True)
+    try:
+        done = play.wait(timeout=300)
+    finally:
+        _revive(WORKER)
     said = _assert_failure_reported(done, WORKER, run_id)
     assert "did not answer" in said
+    assert "no restart left: 1 of 1 used" in said, said[-3000:]
+    # Booted again with no restart left, it does not rejoin.
+    assert _jobs(WORKER, "list", "--active")["jobs"] == []
     _assert_nothing_active()
+
+
+def _wait_for_attempt(run_id: str, attempt: int, play: Play) -> float:
+    """Seconds until the master runs `attempt` with every node (fails after 180 s)."""
+    started = time.monotonic()
+    while time.monotonic() - started < 180:
+        ranks = _jobs(MASTER, "status", "--job", run_id).get("ranks") or [{}]
+        if ranks[0].get("attempt") == attempt and ranks[0].get("phase") == "running":
+            return time.monotonic() - started
+        if play.proc.poll() is not None:
+            pytest.fail(f"the play ended before attempt {attempt}:\n{play.output()[-4000:]}")
+        time.sleep(1)
+    log = _node(MASTER, f"tail -c 3000 {RUNS}/{run_id}/logs/{MASTER}.log")
+    pytest.fail(f"attempt {attempt} did not run within 180 s:\n{log}")
 
 
 def _address(node: str) -> str:
@@ -709,6 +738,9 @@ def _revive(node: str) -> None:
     address = _state.setdefault(f"address-{node}", _address(node))
     subprocess.run(["docker", "start", node], check=False, capture_output=True)
     assert _address(node) == address, f"{node} came back with another address"
+    # At once, before its runner rejoins a job (a real node applies its sysctl.d at boot).
+    with contextlib.suppress(subprocess.SubprocessError):
+        _node(node, "sysctl -w net.ipv4.ip_local_port_range='40000 40999' >/dev/null")
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         state = _node(node, "systemctl is-system-running 2>/dev/null || true")
