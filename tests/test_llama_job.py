@@ -50,6 +50,12 @@ stall_at = int(os.environ.get("STALL_AT", "-1"))
 give_up_at = int(os.environ.get("GIVE_UP_AT", "-1"))
 oom_at = int(os.environ.get("OOM_AT", "-1"))
 fail_once_at = int(os.environ.get("FAIL_ONCE_AT", "-1"))  # fails there on the first attempt only
+if os.environ.get("RANK_PID_FILE"):  # a rank as torch's elastic agent starts one: own session
+    import subprocess
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)", __file__],
+                            start_new_session=True)
+    with open(os.environ["RANK_PID_FILE"], "w") as out:
+        out.write(str(rank.pid))
 for step in range(1, steps + 1):
     time.sleep(pause)
     if step == oom_at and os.environ.get("OOM_CGROUP"):  # into a small memory cgroup, and fill it
@@ -713,6 +719,26 @@ def test_a_stalled_run_is_ended(pair_factory):
     assert pair.leftovers() == []
 
 
+def test_a_stopped_rank_in_a_session_of_its_own_is_named_and_ended(pair_factory, tmp_path: Path):
+    """SIGSTOP on a worker's rank that its launcher started in a session of its own, as torch's
+    elastic agent starts every rank: the stall is blamed on that node, not on rank 0's, and the
+    rank is ended with the rest (it was in neither the runner's session nor the command's group)."""
+    pid_file = tmp_path / "rank.pid"
+    pair = pair_factory(STALL_AT="8", worker_env={"RANK_PID_FILE": str(pid_file)})
+    pair.wait_running()
+    deadline = time.monotonic() + 10
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    rank = int(pid_file.read_text())
+    assert os.getsid(rank) != os.getsid(pair.procs["w"].pid)  # a session of its own
+    os.kill(rank, signal.SIGSTOP)
+    pair.wait_ended(timeout=40)
+    reason = pair.state("m")["reason"]
+    assert (reason["node"], reason["kind"]) == ("w", "stalled"), pair.logs()
+    assert reason["message"].endswith("; stopped processes on w"), reason["message"]
+    assert pair.leftovers() == []
+
+
 def test_a_restart_starts_every_node_again_and_finishes(pair_factory):
     pair = pair_factory(restarts=1, steps=20)
     pair.wait_running()
@@ -788,6 +814,50 @@ def test_start_status_and_stop_through_the_contract_without_systemd(tmp_path: Pa
         assert "m" in stopped["stopped"]  # the worker may have ended already: the master told it
         assert {r["phase"] for r in stopped["ranks"]} == {"stopped"}
         assert _verb(records, "list", "--active")["jobs"] == []
+        assert pair.leftovers() == []
+    finally:
+        _verb(records, "stop", "--job", "t", "--timeout", "5")
+        pair.close()
+
+
+@needs_root
+def test_a_worker_that_lost_its_runner_rejoins_and_the_restart_finishes_the_job(tmp_path: Path):
+    """The worker's whole session SIGKILLed (what a node killed and started again leaves:
+    root's record, a state that never ended): `rejoin`, as the node runs it at boot, starts its
+    part again within the master's restart window, and the job restarts and finishes. The
+    master's part, whose runner lives, is left alone; a second rejoin starts nothing."""
+    records = tmp_path / "records"
+    pair = _specs(tmp_path, restarts=1, steps=40)
+    try:
+        for host in ("m", "w"):
+            _verb(
+                records, "start", "--spec", str(tmp_path / f"{host}.json"), "--user", "root",
+                "--supervisor", "process",
+            )  # fmt: skip
+        pair.wait_running()
+        pair.wait_step(3)
+        runner = pair.state("w")["pid"]
+        for pid in procs.session_members(runner):
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while pair.state("m").get("phase") != "restarting" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pair.state("m").get("phase") == "restarting", pair.logs()
+        rejoined = _verb(records, "rejoin")
+        assert [(r["job"], r["host"]) for r in rejoined["rejoined"]] == [("t", "w")], rejoined
+        assert [(r["host"], r["why"]) for r in rejoined["skipped"]] == [
+            ("m", "its runner runs, or it was stopped")
+        ]
+        again = _verb(records, "rejoin")
+        assert again["rejoined"] == [], again
+        ended = _verb(records, "wait", "--job", "t", "--until", "ended", "--timeout", "60")
+        assert ended["ended"], pair.logs()
+        master = pair.state("m")
+        assert master["phase"] == "succeeded", pair.logs()
+        assert [(r["after"]["node"], r["after"]["kind"]) for r in master["restarts"]] == [
+            ("w", "vanished")
+        ]
+        assert pair.state("w")["phase"] == "succeeded"
         assert pair.leftovers() == []
     finally:
         _verb(records, "stop", "--job", "t", "--timeout", "5")

@@ -8,6 +8,7 @@ One contract for every playbook and the runner, whether or not systemd runs the 
     llama-job list   [--active]
     llama-job wait   --job ID --until running|ended [--timeout S]
     llama-job ports  --port P [--port P ...]
+    llama-job rejoin                      (at boot: a worker's jobs it lost, started again)
     llama-job run    --spec FILE          (what the unit runs, as the job's user)
 
 Every verb prints one JSON document on stdout (the shapes are in roles/job/README.md) and
@@ -64,6 +65,7 @@ def parser() -> argparse.ArgumentParser:
     wait.add_argument("--timeout", type=float, default=15.0)
     ports = sub.add_parser("ports", help="who listens on TCP ports")
     ports.add_argument("--port", type=int, action="append", required=True)
+    sub.add_parser("rejoin", help="start again the jobs this node lost without ending them (root)")
     return top
 
 
@@ -75,6 +77,7 @@ VERBS: dict[str, Callable[[argparse.Namespace], int]] = {
     "list": control.cmd_list,
     "wait": control.cmd_wait,
     "ports": control.cmd_ports,
+    "rejoin": control.cmd_rejoin,
 }
 
 

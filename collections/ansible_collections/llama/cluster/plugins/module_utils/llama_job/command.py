@@ -31,7 +31,7 @@ from .oom import (
     reported_failures,
     unit_cgroup,
 )
-from .procs import all_pids, proc_stat, session_members
+from .procs import all_pids, descendants, proc_stat, session_members
 from .protocol import describe_exit
 from .spec import JobSpec, unit_name
 from .untrusted import file_size, read_from, read_text
@@ -140,13 +140,17 @@ class Command:
 
     def processes(self) -> list[int]:
         """The job's processes on this node: the runner's session (it leads one under both
-        supervisors), or only the command's process group when started by hand."""
+        supervisors), or only the command's process group when started by hand; and everything
+        the runner started, whatever session it moved to (torch's elastic agent starts every
+        rank in a session of its own; the runner is their subreaper once their parent dies)."""
         me = os.getpid()
         if os.getsid(0) == me:
-            return [pid for pid in session_members(me, os.getuid()) if pid != me]
-        if self.group is None:
+            members = [pid for pid in session_members(me, os.getuid()) if pid != me]
+        elif self.group is None:
             return []
-        return [pid for pid in all_pids() if (proc_stat(pid) or {}).get("pgrp") == self.group]
+        else:
+            members = [p for p in all_pids() if (proc_stat(p) or {}).get("pgrp") == self.group]
+        return members + [pid for pid in descendants([me], os.getuid()) if pid not in members]
 
     def signal_tree(self, sig: int) -> None:
         """Signal the command's process group and anything else it left in this session."""

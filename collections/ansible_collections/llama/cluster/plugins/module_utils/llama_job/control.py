@@ -210,6 +210,67 @@ def cmd_start(args: argparse.Namespace) -> int:
     return 0
 
 
+def rejoin_refusal(record: dict[str, Any], now: float) -> str:
+    """Why a node's part of a job is not started again at boot ("" when it is): only a worker's
+    whose runner died without ending it (the node lost power, was killed or rebooted), not
+    stopped, with a restart left, within the window in which its master waits for it."""
+    state = read_json_untrusted(record["state"], (0, int(record["uid"])))
+    if runner_alive(record) or record.get("stop_requested"):
+        return "its runner runs, or it was stopped"
+    if state.get("job") != record["job"] or protocol.is_terminal(state.get("phase")):
+        return "it ended"
+    spec = load_spec(record["spec"], require_root=True)
+    try:
+        silent = now - os.stat(record["state"]).st_mtime
+    except OSError:
+        silent = float("inf")
+    refusals = (
+        (spec.is_master, "a master is not started again on its own (its peers gave it up)"),
+        (
+            len(state.get("restarts") or []) >= spec.max_restarts,
+            f"no restart left ({spec.max_restarts} allowed)",
+        ),
+        (
+            silent > spec.timeouts.restart,
+            f"it went down {silent:.0f} s ago, past its master's restart window "
+            f"({spec.timeouts.restart:.0f} s)",
+        ),
+    )
+    return next((why for refused, why in refusals if refused), "")
+
+
+def cmd_rejoin(_args: argparse.Namespace) -> int:
+    """`rejoin` (at boot, llama-job-rejoin.service): start again this node's part of every job
+    that it lost without ending it, so that the master's restart finds every node back."""
+    need_root()
+    rejoined, skipped = [], []
+    for record in read_records():
+        try:
+            why = rejoin_refusal(record, time.time())
+            if not why:
+                spec = load_spec(record["spec"], require_root=True)
+                entry = pwd.getpwnam(record["user"])
+                _refuse_busy(spec)
+                again = new_record(
+                    spec,
+                    argparse.Namespace(spec=record["spec"], user=record["user"]),
+                    entry,
+                    int(record["gid"]),
+                    record["supervisor"],
+                )
+                argv = [sys.executable, self_path(), "run", "--spec", again["spec"]]
+                launcher(record["supervisor"]).launch(
+                    again, record_path(spec.job, spec.host), spec, argv
+                )
+                rejoined.append({"job": spec.job, "host": spec.host, **wait_for_runner(again)})
+                continue
+        except (Refused, KeyError, OSError, ValueError) as err:
+            why = str(err)
+        skipped.append({"job": record.get("job"), "host": record.get("host"), "why": why})
+    emit({"rejoined": rejoined, "skipped": skipped})
+    return 0
+
+
 def wait_for_runner(record: dict[str, Any], timeout: float = 15.0) -> dict[str, Any]:
     """Return once the runner has written its state; refuse with its log if it died first."""
     started = time.monotonic()

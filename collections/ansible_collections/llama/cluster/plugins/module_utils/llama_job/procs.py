@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import pwd
 from pathlib import Path
@@ -62,6 +64,38 @@ def session_members(sid: int, uid: int | None = None, since: int = 0) -> list[in
             and info["state"] != "Z"
         ):
             found.append(pid)
+    return found
+
+
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+
+
+def become_subreaper() -> bool:
+    """Make this process the reaper of its orphaned descendants (Linux 3.4+): a rank whose
+    launcher died is then still below the runner, and is found and ended with the rest."""
+    with contextlib.suppress(OSError, AttributeError):
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    return False
+
+
+def descendants(roots: list[int], uid: int | None = None) -> list[int]:
+    """Every live descendant of `roots` (owned by `uid`), by parent pid: what a process started,
+    in whatever session or process group it put them. torch's elastic agent starts each rank with
+    start_new_session, so a rank is in neither the runner's session nor the command's group."""
+    children: dict[int, list[int]] = {}
+    for pid in all_pids():
+        info = proc_stat(pid)
+        if info and info["state"] != "Z" and (uid is None or info["uid"] == uid):
+            children.setdefault(info["ppid"], []).append(pid)
+    found: list[int] = []
+    frontier = list(roots)
+    seen = set(roots)
+    while frontier:
+        for child in children.get(frontier.pop(), []):
+            if child not in seen:
+                seen.add(child)
+                found.append(child)
+                frontier.append(child)
     return found
 
 

@@ -17,6 +17,7 @@ from .command import Command, Ended
 from .launchers import current_limits
 from .logs import read_env_file
 from .oom import describe_cause
+from .procs import become_subreaper
 from .protocol import VERSION, Phase, describe_exit, iso
 from .spec import JobSpec
 from .untrusted import read_untrusted, write_json
@@ -219,6 +220,7 @@ class NodeRunner:
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGINT, self.on_signal)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        become_subreaper()
         self.say(
             f"job {self.spec.job} rank {self.spec.rank} ({self.spec.role}), "
             f"supervisor {os.environ.get('LLAMA_JOB_SUPERVISOR', 'none (started by hand)')}, "
