@@ -157,7 +157,7 @@ def test_a_second_staging_of_the_same_model_sends_nothing_and_changes_nothing() 
 def test_preparing_the_nodes_again_after_a_tiny_run_changes_nothing() -> None:
     # The models directory has one owner (cluster_user): no role sets another mode on it.
     _staged()
-    done = _playbook("molecule/train/prepare.yml")
+    done = _playbook("molecule/shared/prepare.yml")
     assert done.returncode == 0, done.stdout[-4000:]
     assert set(_recap(done.stdout).values()) == {0}, done.stdout[-3000:]
     for node in NODES:

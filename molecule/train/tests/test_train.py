@@ -669,6 +669,11 @@ def test_with_nobody_watching_and_no_systemd_a_dying_worker_still_stops_every_ra
     )
     log = _node(MASTER, f"cat {RUNS}/{run_id}/logs/{MASTER}.log")
     assert "supervisor process" in log
+    # The ranks are gone; the runners record the outcome a moment later (status.yml asked in
+    # between says "stopping", as it should).
+    deadline = time.monotonic() + 60
+    while any(_jobs(n, "list", "--active")["jobs"] for n in NODES) and time.monotonic() < deadline:
+        time.sleep(1)
     status = _playbook("playbooks/status.yml", "-e", f"run_id={run_id}")
     said = _said(status.stdout)
     assert f"Run {run_id}: failed on {WORKER}" in said, status.stdout[-3000:]
