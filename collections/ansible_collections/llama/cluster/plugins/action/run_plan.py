@@ -45,7 +45,7 @@ short_description: Check a training request and plan a new run, on the controlle
 description:
   - Runs in train.yml's first play (localhost) before any node changes, for a new run. Checks the
     request once (one message lists every bad number), the inventory's ranks and accelerator, and
-    finds the model in models_catalogue with the -e overrides (one lookup).
+    finds the model in models_catalogue (one lookup, in the check) with the -e overrides.
   - The model's config.json is read on the controller. A generated model (the catalogue's tiny)
     is made first by scripts/make_tiny_model.py (once; a second run changes nothing). A
     directory of the controller is read where it is (and rsync must be there to copy it). A hub
@@ -55,9 +55,11 @@ description:
     O(shared_config) where only the nodes mount it.
   - Each dataset (datasets_catalogue, or O(dataset_file)) is checked record by record with
     llama.cluster.llama_dataset_check on the controller.
-  - Returns C(plan), the plan every node renders (roles/run_config), with C(plan.model_stage), the
-    request every node stages (roles/model_stage; no secrets in it), and C(notes), the lines to
-    show before launch. Fails with the problem and its fix, changing nothing on any node.
+  - Returns C(plan), the plan every node renders (roles/run_config), with
+    C(plan.model_name_or_path), the model's path on every node (train.yaml's model_name_or_path),
+    and C(plan.model_stage), the request every node stages there (roles/model_stage; no secrets
+    in it); and C(notes), the lines to show before launch. Fails with the problem and its fix,
+    changing nothing on any node.
   - Reads the project's settings from the play's variables (models_catalogue, datasets_catalogue,
     datasets_formats, datasets_default, training_* (training_shared_storage for the checkpoints'
     disk estimate), the hub settings of group_vars/all/hub.yml,
@@ -87,6 +89,14 @@ options:
         ansible.builtin.slurp read it on the master ("" = none read).
     type: str
     default: ""
+  ask_master:
+    description:
+      - true, for a model on shared storage whose config.json is neither on the controller nor in
+        O(shared_config), returns C(read_on_master) (that config.json's path) instead of failing,
+        and plans nothing; the play reads it on the master and calls the action again with
+        O(shared_config) (train.yml does). false refuses, naming the master.
+    type: bool
+    default: false
   probe_model:
     description:
       - false plans from the catalogue alone, offline (no hub request, nothing generated, no
@@ -179,8 +189,15 @@ EXAMPLES = r"""
 
 RETURN = r"""
 plan:
-  description: The run (roles/run_config renders it), with model_stage, the staging request.
+  description:
+    - The run (roles/run_config renders it), with model_name_or_path and model_stage, the staging
+      request. Absent with read_on_master.
   type: dict
+read_on_master:
+  description:
+    - With O(ask_master), the config.json to read on the master, for a model on shared storage that
+      the controller does not mount; nothing was planned.
+  type: str
 notes:
   description: Where the model comes from, what a dataset check left out, then the plan's summary.
   type: list
@@ -207,6 +224,14 @@ MAX_ANSWER_BYTES = 4 << 20
 
 class Refused(Exception):
     """A request that cannot be planned, with the message the user sees."""
+
+
+class MasterRead(Exception):
+    """The plan needs a config.json that only the master has (O(ask_master))."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.path = path
 
 
 def option_spec(documentation: str) -> dict[str, dict[str, Any]]:
@@ -300,6 +325,8 @@ class ActionModule(ActionBase):
         self._changed = False
         try:
             plan, notes = self._plan(asked)
+        except MasterRead as read:
+            return {**result, "changed": self._changed, "read_on_master": read.path}
         except Refused as err:
             return {**result, "failed": True, "changed": self._changed, "msg": str(err)}
         except AnsibleError as err:  # the planner's PlanError, the inventory's filter errors
@@ -320,8 +347,7 @@ class ActionModule(ActionBase):
         settings = {key: self._var(name) for key, name in TRAINING_SETTINGS.items()}
         settings["stages"] = list(DEEPSPEED_STAGES)
         settings["shared_storage"] = bool(self._var("training_shared_storage", False))
-        catalogue = settings["catalogue"]
-        request = check_request(self._request(asked), catalogue, DEEPSPEED_STAGES)
+        request = check_request(self._request(asked), settings["catalogue"], DEEPSPEED_STAGES)
         hostvars, groups = self._vars["hostvars"], self._var("groups")
         ranks = cluster_ranks(groups, hostvars)
         cluster_accelerator(list(ranks), hostvars)
@@ -329,7 +355,7 @@ class ActionModule(ActionBase):
         staging = None
         self._token_note = ""
         if asked["probe_model"]:
-            staging, config = self._model(asked, catalogue.get(asked["model"]) or {})
+            staging, config = self._model(asked, request["model_entry"])
             request.update(model_path=staging["path"], model_config=config)
             notes.append(f"Model {staging['name']}: {staging['summary']}")
             if self._token_note:
@@ -409,7 +435,7 @@ class ActionModule(ActionBase):
         elif request["kind"] == "controller":
             config = self._controller_config(request)
         else:
-            config = self._shared_config(request, asked["shared_config"])
+            config = self._shared_config(request, asked["shared_config"], asked["ask_master"])
         staging = {k: v for k, v in request.items() if k not in ("config", "error")}
         return staging, config
 
@@ -449,12 +475,16 @@ class ActionModule(ActionBase):
             )
         return parse_config(path.read_text(errors="replace"), request)
 
-    def _shared_config(self, request: Mapping[str, Any], slurped: str) -> dict[str, Any]:
+    def _shared_config(
+        self, request: Mapping[str, Any], slurped: str, ask_master: bool
+    ) -> dict[str, Any]:
         """config.json of a directory on shared storage: the controller's copy, else the one
-        read on the master."""
+        read on the master (asked for with MasterRead where none was given)."""
         path = Path(request["source"]) / "config.json"
         if path.is_file():
             return parse_config(path.read_text(errors="replace"), request)
+        if not slurped and ask_master:
+            raise MasterRead(str(path))
         if not slurped:
             master = (self._var("groups").get("master") or ["the master"])[0]
             raise Refused(

@@ -229,7 +229,7 @@ def assemble(
     """The run of a request that check_request has passed (see plan)."""
     data = Settings(**settings)
     accelerator, nproc, world = check_nodes(nodes)
-    model = resolve_model(request, data.catalogue)
+    model = resolve_model(request)
     check_rules(data.rules)
     check_project_settings(data, model)
     smallest = _smallest(nodes)
@@ -304,6 +304,8 @@ def assemble(
         + re.sub(r"[^A-Za-z0-9_-]+", "-", str(request.get("model") or "model")),
         "resume": bool(request.get("resume_id")),
         "model_name": request.get("model"),
+        # What train.yaml loads (roles/run_config prints it): the model's path on every node.
+        "model_name_or_path": model["path"],
         "model": model,
         "datasets": list(datasets),
         "deepspeed": stage,

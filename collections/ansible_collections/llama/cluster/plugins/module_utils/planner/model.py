@@ -83,10 +83,12 @@ def layer_class(config: Mapping[str, Any]) -> str:
     return str(arch).removesuffix("ForCausalLM") + "DecoderLayer"
 
 
-def resolve_model(request: Mapping[str, Any], catalogue: Mapping[str, Any]) -> dict[str, Any]:
+def resolve_model(request: Mapping[str, Any]) -> dict[str, Any]:
     """The model entry for this run, with its size and shape.
 
-    The catalogue entry (or defaults, for a model outside it) with the -e overrides on top. The
+    The catalogue entry that check_request found (`model_entry`; {} for a model outside the
+    catalogue, which gets the defaults) with the -e overrides on top: `path` is -e model_path, or
+    the path on every node that llama.cluster.run_plan gives as model_path. The
     config is model_config (the parsed config.json, read by llama.cluster.run_plan) or else the
     catalogue's `config`; the size is -e model_params_b, else the catalogue's params_b, else
     counted from the config.
@@ -94,7 +96,7 @@ def resolve_model(request: Mapping[str, Any], catalogue: Mapping[str, Any]) -> d
     (auto_map) and trust_remote_code was not given.
     """
     name = str(request.get("model") or "")
-    entry = dict(catalogue.get(name) or {})
+    entry = dict(request.get("model_entry") or {})
     config = dict(request.get("model_config") or {}) or dict(entry.get("config") or {})
     model = {
         "template": "default",

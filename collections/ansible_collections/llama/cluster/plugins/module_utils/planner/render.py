@@ -28,7 +28,7 @@ def train_yaml(
     args = {k: v for k, v in plan["train_args"].items() if lora or k not in LORA_KEYS}
     args.update(
         {
-            "model_name_or_path": model["path"],
+            "model_name_or_path": plan["model_name_or_path"],
             "do_train": True,
             "finetuning_type": model["finetuning_type"],
             "dataset": ",".join(d["name"] for d in plan["datasets"]),

@@ -232,16 +232,20 @@ def check_request(
     catalogue: Mapping[str, Any],
     stages: Sequence[str],
 ) -> dict[str, Any]:
-    """The request with its numbers coerced; raises one PlanError listing every problem.
+    """The request with its numbers coerced and its model's catalogue entry (`model_entry`, {}
+    for a model of one's own); raises one PlanError listing every problem.
 
     `request` holds what the user asked train.yml for, as llama.cluster.run_plan passes it (model,
     model_path, ..., train_args, cutoff_len, tokens_per_step, max_restarts, model_params_b,
-    dataset_records, trust_remote_code, deepspeed).
+    dataset_records, trust_remote_code, deepspeed). The catalogue is read here only: the action
+    and the planner take the entry from the checked request.
     """
     out = dict(request)
     problems: list[str] = []
     name = str(request.get("model") or "")
-    if name not in catalogue and not request.get("model_path"):
+    entry = catalogue.get(name)
+    out["model_entry"] = dict(entry or {})
+    if entry is None and not request.get("model_path"):
         head = f"Unknown model {_quote(name)}" if name else "No model given"
         problems.append(
             f"{head}. Known models: {', '.join(sorted(catalogue))} ({CATALOGUE_FILE}). "
