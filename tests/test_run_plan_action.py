@@ -252,6 +252,18 @@ def test_a_shared_model_the_controller_does_not_mount_is_read_from_the_masters_c
     )
 
 
+def test_a_shared_model_not_mounted_here_is_asked_of_the_master_with_ask_master(
+    tmp_path: Path,
+) -> None:
+    # train.yml's first call: the action names the file to read on the master and plans nothing.
+    asked = {"model": "mine", "model_path": "/mnt/nowhere/mine", "model_template": "qwen"}
+    rc, out = _call(tmp_path, {**asked, "model_shared": True, "ask_master": True})
+    assert rc == 0, out[-3000:]
+    result = _result(out)
+    assert result["read_on_master"] == "/mnt/nowhere/mine/config.json"
+    assert "plan" not in result
+
+
 def test_the_tiny_model_is_generated_on_the_controller_once(tmp_path: Path) -> None:
     rc, out = _call(tmp_path, {"model": "tiny"})
     assert rc == 0, out[-3000:]
