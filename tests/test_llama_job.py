@@ -8,19 +8,24 @@ SIGSTOP, stall its progress. What the runners do is what they do on the cluster.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pwd
 import re
+import resource
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 from ansible_collections.llama.cluster.plugins.module_utils.llama_job import (
     build,
+    control,
     logs,
     master,
     oom,
@@ -29,6 +34,7 @@ from ansible_collections.llama.cluster.plugins.module_utils.llama_job import (
     untrusted,
 )
 from ansible_collections.llama.cluster.plugins.module_utils.llama_job import spec as job_spec
+from ansible_collections.llama.cluster.plugins.module_utils.llama_job.link import Link
 
 ROOT = Path(__file__).resolve().parents[1]
 # The zipapp that provisioning installs, built from the package as the role builds it.
@@ -896,3 +902,540 @@ def test_root_never_reads_a_state_file_through_a_link(tmp_path: Path):
     assert (
         untrusted.read_json_untrusted(secret, (os.getuid() + 1,)) == {}
     )  # not the job user's file
+
+
+# One checkpoint rule for automatic restarts: before one, the master works out the latest step
+# whose checkpoint is complete on every node (the planner's resume_point, the rule of
+# `-e resume=true`), every node moves its newer checkpoints aside (never deleting one) and resumes
+# from that step, passed to its command explicitly. Real runner pairs (tests/test_llama_job.py).
+
+RESUME = "resume_from_checkpoint={checkpoint}"
+
+
+def _checkpoints(tmp: Path, held: dict[str, dict[int, bool]]) -> dict[str, Path]:
+    """Each node's output directory with checkpoint-N (complete: with trainer_state.json)."""
+    out = {}
+    for host, steps in held.items():
+        out[host] = tmp / f"{host}-run" / "output"
+        for step, complete in steps.items():
+            directory = out[host] / f"checkpoint-{step}"
+            directory.mkdir(parents=True)
+            (directory / "weights").write_text(f"{host} {step}")
+            if complete:
+                (directory / "trainer_state.json").write_text("{}")
+    return out
+
+
+def _pair(tmp: Path, out: dict[str, Path]) -> Pair:
+    extra = {h: {"checkpoints_dir": str(d), "resume_argument": RESUME} for h, d in out.items()}
+    fail = {"FAIL_ONCE_AT": "3", "FAIL_ONCE_MARK": str(tmp / "failed-once")}
+    return Pair(tmp, restarts=1, steps=8, worker_env=fail, spec_extra=extra)
+
+
+def test_every_node_resumes_from_the_latest_checkpoint_all_of_them_hold(tmp_path: Path):
+    # node m holds 10, 20 and 30; node w 10 and 20, and a 30 cut off while being written.
+    out = _checkpoints(
+        tmp_path, {"m": {10: True, 20: True, 30: True}, "w": {10: True, 20: True, 30: False}}
+    )
+    pair = _pair(tmp_path, out)
+    try:
+        pair.wait_ended(timeout=90)
+        master = pair.state("m")
+        assert master["phase"] == "succeeded", pair.logs()
+        assert [r["checkpoint"] for r in master["restarts"]] == ["checkpoint-20"]
+        for host, directory in out.items():
+            log = (tmp_path / f"{host}.log").read_text()
+            assert f"{RESUME.split('{', maxsplit=1)[0]}{directory}/checkpoint-20" in log, log
+            assert sorted(p.name for p in directory.iterdir()) == ["checkpoint-10", "checkpoint-20"]
+            aside = directory.parent / "set-aside" / "restart-2" / "checkpoint-30"
+            assert (aside / "weights").read_text() == f"{host} 30"  # moved, not deleted
+        assert "checkpoint-30 (not on every node) on m" in (tmp_path / "m.log").read_text()
+    finally:
+        pair.close()
+
+
+def test_without_a_checkpoint_on_every_node_the_restart_is_refused_and_nothing_moves(
+    tmp_path: Path,
+):
+    out = _checkpoints(tmp_path, {"m": {10: True}, "w": {20: True}})
+    pair = _pair(tmp_path, out)
+    try:
+        pair.wait_ended(timeout=90)
+        master = pair.state("m")
+        assert master["phase"] == "failed", pair.logs()
+        assert master["restarts"] == []
+        assert (
+            "no restart: Run t cannot resume: no checkpoint is on every node"
+            in (master["reason"]["message"])
+        )
+        assert [p.name for p in out["m"].iterdir()] == ["checkpoint-10"]
+        assert [p.name for p in out["w"].iterdir()] == ["checkpoint-20"]
+    finally:
+        pair.close()
+
+
+# llama-job running a service: a job of one node (playbooks/serve.yml, playbooks/tensorboard.yml).
+#
+# A service is rank 0 of 1 with no peers: its runner keeps no heartbeats and listens on no watchdog
+# port, the gate is the service's own port, a service that dies is started again while restarts are
+# left, and a stop ends it. Its keys come from a secret environment file that only its user can
+# read: they reach the command's environment and nothing else. The runners are real processes on
+# this machine, as in tests/test_llama_job.py.
+
+# The service: listens on its port, writes what it saw of its secret, then serves until stopped.
+SERVICE = r"""
+import os, socket, sys, time
+out = sys.argv[1]
+with open(out, "a") as seen:
+    seen.write(f"{os.getpid()} {os.environ.get('SERVE_API_KEY', '-')} {os.environ.get('PORT')}\n")
+server = socket.socket()
+server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+server.bind(("127.0.0.1", int(os.environ["PORT"])))
+server.listen()
+while True:
+    time.sleep(1)
+"""
+SECRET = "sk-test-4f1c9a"
+
+
+class Service:
+    """One service runner on this machine, as roles/job writes its spec with job_single_node."""
+
+    def __init__(self, tmp: Path, *, restarts: int = 0, secret: bool = False) -> None:
+        self.tmp = tmp
+        self.port = _free_port()
+        self.seen = tmp / "seen.txt"
+        (tmp / "service.py").write_text(SERVICE)
+        (tmp / "job.env").write_text(f'PORT="{self.port}"\n')
+        secret_file = ""
+        if secret:
+            secret_file = str(tmp / "secrets.env")
+            Path(secret_file).write_text(f'SERVE_API_KEY="{SECRET}"\n')
+            os.chmod(secret_file, 0o600)
+        spec = {
+            "job": "serve-test",
+            "host": "n1",
+            "rank": 0,
+            "nnodes": 1,
+            "role": "master",
+            "master": {"host": "n1", "address": "127.0.0.1"},
+            "peers": [],
+            "watchdog_port": 0,
+            "master_port": self.port,
+            "gate_port": self.port,
+            "ports": [self.port],
+            "token": "",
+            "command": [sys.executable, str(tmp / "service.py"), str(self.seen)],
+            "env_file": str(tmp / "job.env"),
+            "secret_env_file": secret_file,
+            "exclusive": True,
+            "cwd": str(tmp),
+            "log": str(tmp / "n1.log"),
+            "state": str(tmp / "n1.state.json"),
+            "progress_file": "",
+            "max_restarts": restarts,
+            "timeouts": {"start": 20, "heartbeat": 0.5, "peer": 3, "stop": 2, "settle": 0.3},
+        }
+        (tmp / "spec.json").write_text(json.dumps(spec))
+        self.proc = subprocess.Popen(
+            [sys.executable, str(TOOL), "run", "--spec", str(tmp / "spec.json")],
+            start_new_session=True,
+        )
+
+    def state(self) -> dict:
+        try:
+            return json.loads((self.tmp / "n1.state.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def wait(self, phase: str, attempt: int = 1, timeout: float = 20) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            state = self.state()
+            if state.get("phase") == phase and state.get("attempt") == attempt:
+                return state
+            time.sleep(0.1)
+        pytest.fail(f"not {phase} (attempt {attempt}): {self.state()} {self.log()}")
+
+    def log(self) -> str:
+        path = self.tmp / "n1.log"
+        return path.read_text() if path.exists() else ""
+
+    def leftovers(self) -> list[str]:
+        ps = ["ps", "-eo", "pid=,args="]
+        out = subprocess.run(ps, capture_output=True, text=True, check=False).stdout
+        return [line for line in out.splitlines() if str(self.tmp / "service.py") in line]
+
+    def close(self) -> None:
+        child = self.state().get("child")
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        if child:  # the command runs in a process group of its own
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child, signal.SIGKILL)
+        for line in self.leftovers():
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+
+
+@pytest.fixture
+def service_factory(tmp_path: Path):
+    made: list[Service] = []
+
+    def make(**kwargs: object) -> Service:
+        made.append(Service(tmp_path, **kwargs))
+        return made[-1]
+
+    yield make
+    for service in made:
+        service.close()
+
+
+def _listening_pids() -> set[int]:
+    """Every process that holds a listening TCP socket on this machine."""
+    inodes: set[int] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            parts = line.split()
+            if parts[3] == "0A":
+                inodes.add(int(parts[9]))
+    return {pid for pids in procs.socket_owners(inodes).values() for pid in pids}
+
+
+def test_a_service_runs_once_its_own_port_listens_and_keeps_no_watchdog(service_factory):
+    service = service_factory()
+    state = service.wait("running")
+    child = state["child"]
+    assert child in {entry["pid"] for entry in procs.listeners(service.port)}, service.log()
+    assert service.proc.pid not in _listening_pids(), "the runner of a service listens on a port"
+    assert state["peers"] == {}
+
+
+def test_a_service_that_dies_is_started_again_then_stopped_on_request(service_factory):
+    service = service_factory(restarts=1)
+    first = service.wait("running")["child"]
+    os.kill(first, signal.SIGKILL)
+    again = service.wait("running", attempt=2)
+    assert again["child"] not in (None, first)
+    assert again["restarts"][0]["after"]["kind"] == "exited"
+    os.kill(service.proc.pid, signal.SIGTERM)  # what llama-job stop / systemctl stop send
+    service.proc.wait(timeout=20)
+    assert service.state()["phase"] == "stopped", service.log()
+    assert service.leftovers() == []
+    assert procs.listeners(service.port) == []
+
+
+def test_a_service_with_no_restart_left_fails_naming_its_exit(service_factory):
+    service = service_factory()
+    os.kill(service.wait("running")["child"], signal.SIGKILL)
+    service.proc.wait(timeout=20)
+    state = service.state()
+    assert state["phase"] == "failed"
+    assert (state["reason"]["kind"], state["reason"]["exit_status"]) == ("exited", -9)
+
+
+def test_the_secret_environment_reaches_the_command_and_nothing_else(service_factory):
+    service = service_factory(secret=True)
+    service.wait("running")
+    _pid, key, port = service.seen.read_text().split()
+    assert (key, port) == (SECRET, str(service.port))
+    written = [service.tmp / name for name in ("n1.log", "n1.state.json", "spec.json", "job.env")]
+    assert all(SECRET not in path.read_text() for path in written)
+
+
+def test_start_refuses_a_secret_file_that_others_can_read(tmp_path: Path):
+    me = pwd.getpwuid(os.getuid())
+    secret = tmp_path / "secrets.env"
+    with pytest.raises(job_spec.Refused, match="is missing"):
+        control.check_secret_file(str(secret), me)
+    secret.write_text('KEY="value"\n')
+    secret.chmod(0o640)
+    with pytest.raises(job_spec.Refused, match=r"mode 0600; it is -rw-r-----"):
+        control.check_secret_file(str(secret), me)
+    secret.chmod(0o600)
+    control.check_secret_file(str(secret), me)
+    (tmp_path / "link.env").symlink_to(secret)
+    with pytest.raises(job_spec.Refused, match="regular file"):
+        control.check_secret_file(str(tmp_path / "link.env"), me)
+
+
+def test_a_spec_without_the_new_keys_is_an_exclusive_job_without_secrets(tmp_path: Path):
+    spec = {
+        "job": "j",
+        "host": "h",
+        "rank": 0,
+        "nnodes": 1,
+        "role": "master",
+        "watchdog_port": 0,
+        "max_restarts": 0,
+        "cwd": "/tmp",
+        "log": "/tmp/l",
+        "state": "/tmp/s",
+        "env_file": "/tmp/e",
+        "command": ["true"],
+    }
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    loaded = job_spec.load_spec(str(path), require_root=False)
+    assert (loaded["exclusive"], loaded["secret_env_file"]) == (True, "")
+    path.write_text(json.dumps({**spec, "secret_env_file": "relative.env"}))
+    with pytest.raises(job_spec.Refused, match="secret_env_file must be an absolute path"):
+        job_spec.load_spec(str(path), require_root=False)
+
+
+# The watchdog port against hostile clients, with real runner processes (tests/test_llama_job.py's
+# pair: a master's and a worker's runner on 127.0.0.1).
+#
+# Every message is sealed (HMAC-SHA256 of the job id and connection, a sequence number and the
+# body) under the job's secret, which never crosses the wire; a client gets HELLO_WITHIN seconds
+# to authenticate, a line is at most MAX_LINE bytes, and few connections may wait for their hello
+# at once. While garbage, long lines, a flood of connections, 1,000 idle ones, replayed and forged
+# messages and a wrong key hit the master's port, the job keeps running and finishes, and the
+# master's runner stays within CPU_BOUND_S of CPU time and PEAK_RSS_BOUND of memory. A worker
+# authenticates its master the same way: a watchdog without the key is refused.
+
+# The master's runner, over the whole attack (measured on the 2-core CI machine: see the
+# commit that added this test; the bounds leave room for a loaded machine).
+CPU_BOUND_S = 3.0
+PEAK_RSS_BOUND = 64 << 20
+THREADS_BOUND = 8
+KEY = b"secret"  # the pair's token
+JOB_ID = "t"
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _status(pid: int, key: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{key}:"):
+            return int(line.split()[1])
+    raise KeyError(key)
+
+
+def _connect(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.settimeout(10)
+    return sock
+
+
+def _challenge(sock: socket.socket) -> str:
+    """The master's challenge on a new connection (its first line)."""
+    line = b""
+    while not line.endswith(b"\n"):
+        chunk = sock.recv(4096)
+        assert chunk, "the master closed before its challenge"
+        line += chunk
+    _seq, body = protocol.unseal(KEY, JOB_ID, line, 0)
+    assert body["t"] == "challenge"
+    return body["nonce"]
+
+
+def _closed_by_peer(sock: socket.socket, within: float = 10) -> bool:
+    """Whether the other end closes the connection (what it sends first is read and dropped)."""
+    sock.settimeout(within)
+    try:
+        while sock.recv(65536):
+            pass
+    except TimeoutError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def _hello(context: str, seq: int = 1, key: bytes = KEY, host: str = "w") -> bytes:
+    body = {"t": "hello", "host": host, "rank": 1, "phase": "waiting", "attempt": 1, "nonce": "n"}
+    return protocol.seal(key, context, seq, body)
+
+
+def _abort(context: str, key: bytes) -> bytes:
+    body = {"t": "exit", "attempt": 1, "exit_status": 1, "rank": 1, "message": "forged"}
+    return protocol.seal(key, context, 2, body)
+
+
+def _long_line(port: int, size: int) -> float:
+    """Send `size` bytes without a newline; seconds until the master cut it off."""
+    started = time.monotonic()
+    with _connect(port) as sock:
+        _challenge(sock)
+        chunk = b"x" * (1 << 20)
+        with contextlib.suppress(OSError):
+            for _ in range(size >> 20):
+                sock.sendall(chunk)
+        assert _closed_by_peer(sock)
+    return time.monotonic() - started
+
+
+def _flood(port: int, count: int) -> None:
+    for _ in range(count):
+        with contextlib.suppress(OSError), _connect(port) as sock:
+            sock.sendall(b"GET / HTTP/1.0\r\n\r\n")
+
+
+def _attack(port: int, log: list[str]) -> None:
+    """Everything at once that a hostile client on the watchdog port could try."""
+    with _connect(port) as sock:  # garbage
+        sock.sendall(os.urandom(4096) + b"\n" + b"{not json}\n")
+        assert _closed_by_peer(sock)
+    log.append("garbage: closed")
+    for size in (8 << 20, 16 << 20, 32 << 20):  # a line without its end
+        log.append(f"{size >> 20} MiB line: cut off after {_long_line(port, size):.2f} s")
+    began = time.monotonic()
+    threads = [threading.Thread(target=_flood, args=(port, 250)) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    log.append(f"flood: 1000 connections ({time.monotonic() - began:.1f} s in)")
+    idle = []
+    for _ in range(1000):  # idle connections: never a hello
+        with contextlib.suppress(OSError):
+            idle.append(_connect(port))
+    time.sleep(protocol.HELLO_WITHIN + 1.5)
+    closed = sum(_closed_by_peer(sock, within=0.2) for sock in idle)
+    for sock in idle:
+        sock.close()
+    took = time.monotonic() - began
+    log.append(f"idle: {closed} of {len(idle)} closed by the master ({took:.1f} s in)")
+    assert closed == len(idle)
+    # A wrong key, a forged exit (which would abort the job), a hello replayed from another
+    # connection, and one with an old sequence number: each refused, the connection closed.
+    with _connect(port) as sock:
+        nonce = _challenge(sock)
+        sock.sendall(_hello(f"{JOB_ID}:{nonce}", key=b"guess"))
+        assert _closed_by_peer(sock)
+    with _connect(port) as sock:
+        nonce = _challenge(sock)
+        sock.sendall(_abort(f"{JOB_ID}:{nonce}", key=b"guess"))
+        assert _closed_by_peer(sock)
+    with _connect(port) as first, _connect(port) as second:
+        stale = _hello(f"{JOB_ID}:{_challenge(first)}")
+        _challenge(second)
+        second.sendall(stale)  # valid, but for the first connection
+        assert _closed_by_peer(second)
+    with _connect(port) as sock:
+        sock.sendall(_hello(f"{JOB_ID}:{_challenge(sock)}", seq=0))
+        assert _closed_by_peer(sock)
+    log.append("wrong key, forged exit, replayed hello, old sequence: refused")
+
+
+@pytest.fixture
+def roomy_files():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 8192), hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_hostile_clients_neither_stop_the_job_nor_cost_the_master_much(
+    tmp_path: Path, roomy_files: None
+):
+    pair = Pair(tmp_path, steps=150)  # 30 s of training
+    try:
+        pair.wait_running()
+        runner = pair.procs["m"].pid
+        cpu = _cpu_s(runner)
+        log: list[str] = []
+        started = time.monotonic()
+        _attack(pair.watchdog, log)
+        took = time.monotonic() - started
+        used = _cpu_s(runner) - cpu
+        peak, threads = _status(runner, "VmHWM") * 1024, _status(runner, "Threads")
+        print(
+            f"attack {took:.1f} s: master runner CPU {used:.2f} s, peak RSS "
+            f"{peak / (1 << 20):.1f} MiB, {threads} threads; " + "; ".join(log)
+        )
+        assert pair.state("m")["phase"] == "running", pair.logs()
+        assert pair.state("m")["restarts"] == []
+        assert used < CPU_BOUND_S
+        assert peak < PEAK_RSS_BOUND
+        assert threads <= THREADS_BOUND
+        pair.wait_ended(timeout=60)
+        assert pair.state("m")["phase"] == "succeeded", pair.logs()
+        assert pair.state("w")["phase"] == "succeeded", pair.logs()
+        master_log = (tmp_path / "m.log").read_text()
+        assert "the watchdog port refused" in master_log
+        for why in ("bad mac", "replayed", "no hello within", "a line over"):
+            assert why in master_log, master_log
+        assert "stopping the command" not in master_log  # no forged exit got through
+    finally:
+        pair.close()
+
+
+class FakeMaster:
+    """A watchdog on the master's port that lacks the job's key (or replays a welcome)."""
+
+    def __init__(self, key: bytes, replay_welcome: bool = False) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.key, self.replay = key, replay_welcome
+        self.helloed = 0
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self) -> None:
+        while True:
+            try:
+                sock, _ = self.server.accept()
+            except OSError:
+                return
+            with sock:
+                nonce = "c" * 32
+                sock.sendall(protocol.seal(self.key, JOB_ID, 1, {"t": "challenge", "nonce": nonce}))
+                context = f"{JOB_ID}:{nonce}"
+                welcome = {"t": "welcome", "phase": "running", "attempt": 1, "nonce": "old"}
+                with contextlib.suppress(OSError):
+                    if sock.recv(65536):
+                        self.helloed += 1
+                    sock.sendall(protocol.seal(self.key, context, 1, welcome))
+                    sock.sendall(protocol.seal(self.key, context, 2, {"t": "start", "attempt": 1}))
+                    time.sleep(0.5)
+
+
+@pytest.mark.parametrize(("key", "why"), [(b"guess", "bad mac"), (KEY, "no welcome")])
+def test_a_worker_refuses_a_watchdog_that_is_not_its_master(tmp_path: Path, key: bytes, why: str):
+    fake = FakeMaster(key, replay_welcome=key == KEY)
+    (tmp_path / "job.py").write_text(JOB)
+    (tmp_path / "w.env").write_text('STEPS="3"\nSTEP_S="0.1"\n')
+    spec = {
+        "job": JOB_ID, "host": "w", "rank": 1, "nnodes": 2, "role": "worker",
+        "master": {"host": "m", "address": "127.0.0.1"}, "watchdog_port": fake.port,
+        "token": KEY.decode(), "command": [sys.executable, str(tmp_path / "job.py"), "w", ""],
+        "env_file": str(tmp_path / "w.env"), "cwd": str(tmp_path), "log": str(tmp_path / "w.log"),
+        "state": str(tmp_path / "w.state.json"), "max_restarts": 0,
+        "timeouts": {"start": 2, "heartbeat": 0.5, "peer": 3},
+    }  # fmt: skip
+    (tmp_path / "w.json").write_text(json.dumps(spec))
+    runner = subprocess.run(
+        [sys.executable, str(TOOL), "run", "--spec", str(tmp_path / "w.json")],
+        timeout=60,
+        check=False,
+    )
+    fake.server.close()
+    log = (tmp_path / "w.log").read_text()
+    state = json.loads((tmp_path / "w.state.json").read_text())
+    assert runner.returncode == 1
+    assert (state["phase"], state["reason"]["kind"]) == ("failed", "start"), log
+    assert why in state["reason"]["message"], log
+    assert "attempt 1: starting" not in log  # the forged start was never obeyed
+    if key == KEY:
+        assert fake.helloed  # it got as far as the welcome, which answered another nonce
+
+
+def test_a_message_sent_again_on_its_connection_is_refused():
+    left, right = socket.socketpair()
+    sender, receiver = Link(left, KEY, "t:c"), Link(right, KEY, "t:c")
+    assert sender.send({"t": "beat", "attempt": 1})
+    line = right.recv(65536)
+    assert receiver.open(line)["t"] == "beat"
+    with pytest.raises(protocol.BadMessage, match="replayed"):
+        receiver.open(line)
+    with pytest.raises(protocol.BadMessage, match="bad mac"):
+        Link(right, b"other", "t:c").open(line)
+    with pytest.raises(protocol.BadMessage, match="bad mac"):
+        Link(right, KEY, "t:other-connection").open(line)
+    assert receiver.lines(b"x" * (protocol.MAX_LINE + 1)) is None  # no newline, too long
+    left.close()
+    right.close()
