@@ -1,9 +1,9 @@
 """Bad input on the 2-node molecule lab: train.yml refuses it before anything changes on a node.
 
-Node-side cases (the controller-only ones are in tests/test_bad_input_*.py): a node whose
-recorded torch differs, gpu_ids a node does not have, and resuming a run whose checkpoints are
-not on every node. One real run (the valid records of a dataset with bad ones, -e
-dataset_skip_invalid=true) makes the checkpoints the resume cases work on.
+Node-side cases (the controller-only ones are in tests/test_train_validation.py and
+tests/test_datasets.py): a node whose recorded torch differs, gpu_ids a node does not have, and
+resuming a run whose checkpoints are not on every node. One real run (the valid records of a
+dataset with bad ones, -e dataset_skip_invalid=true) makes the checkpoints the resume cases work on.
 """
 
 from __future__ import annotations
