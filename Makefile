@@ -58,10 +58,19 @@ test-fast: test-env   ## lint + pytest without molecule scenarios
 	$(MAKE) lint
 	$(VENV)/pytest -m "not molecule"
 
+# pytest on PYTEST_WORKERS workers (pytest-xdist): the lab's tests are one group and each molecule
+# scenario another, each run whole by one worker, the longest first (tests/conftest.py); the other
+# tests spread over the workers. 3: the train scenario, the lab's tests and everything else side
+# by side; most of the first two is waiting on containers (CONTRIBUTING.md, "Tests and CI's time").
+# PYTEST_WORKERS=1 runs the suite in one process, in the files' order.
+PYTEST_WORKERS ?= 3
+PYTEST := $(VENV)/pytest --durations=40 $(if $(filter-out 0 1,$(PYTEST_WORKERS)),\
+  -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
+
 # The runner's lab tests need the lab: a lab already up is used and kept; otherwise one is started
 # for the tests and removed after them.
 test: host test-env   ## everything CI runs: lint, pytest (lab and molecule scenarios included)
 	$(MAKE) lint
-	@if [ -f inventory/lab.yml ]; then $(VENV)/pytest --durations=40; else \
-	  $(VENV)/ansible-playbook playbooks/lab.yml && { $(VENV)/pytest --durations=40; status=$$?; \
+	@if [ -f inventory/lab.yml ]; then $(PYTEST); else \
+	  $(VENV)/ansible-playbook playbooks/lab.yml && { $(PYTEST); status=$$?; \
 	  $(VENV)/ansible-playbook playbooks/lab.yml -e lab_state=absent; exit $$status; }; fi

@@ -7,6 +7,11 @@
 - DATA: the dataset files the checks are tried on. tests/data/datasets.json holds each one's exact
   text (broken ones included); they are written once per session into a directory of their own,
   beside tests/data/sharegpt_mixed.json (which molecule's train scenario reads too).
+- The parallel run (`make test`: pytest-xdist, `--dist loadgroup`): a worker runs an xdist group
+  whole. Every test marked `lab` is in the group `lab` (they share inventory/lab.yml and the lab's
+  nodes); each molecule scenario is a group of its own (tests/test_molecule.py); the other tests
+  have none and spread over the workers. Each worker orders its collection as `_queue` says, so
+  that the longest groups start first.
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ import atexit
 import json
 import shutil
 import tempfile
+from itertools import islice
 from pathlib import Path
 
+import pytest
 from ansible.plugins.loader import init_plugin_loader
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,3 +43,78 @@ def _materialise_datasets() -> Path:
 
 
 DATA = _materialise_datasets()
+
+
+# Each group's time in CI's rehearsal, in seconds (CONTRIBUTING.md, "Tests and CI's time"): only
+# their order matters. A group not listed here counts as 1, after these, before the unit tests.
+GROUP_SECONDS = {
+    "molecule-train": 1265,
+    "lab": 771,
+    "molecule-cluster": 232,
+    "molecule-provision": 186,
+    "molecule-in_use": 83,
+}
+# Tests without a group after each group that did not start at once: the worker that takes the
+# group takes them too, so the next group goes to another worker rather than queue behind it.
+FREE_AFTER_GROUP = 2
+
+
+def _group(item: pytest.Item) -> str | None:
+    mark = item.get_closest_marker("xdist_group")
+    if mark is None:
+        return None
+    return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+
+
+def _queue(items: list[pytest.Item], workers: int) -> list[pytest.Item]:
+    """The order the workers take the tests in (xdist hands out work units in collection order,
+    and a worker with at most 2 tests left is given one more unit).
+
+    The `workers` longest groups come first, one per worker, then `workers` tests without a group
+    (the second unit each of those workers is given at the start, which waits behind the group);
+    then each remaining group, longest first, followed by FREE_AFTER_GROUP tests without one; then
+    the rest in the files' order."""
+    groups: dict[str, list[pytest.Item]] = {}
+    free: list[pytest.Item] = []
+    for item in items:
+        name = _group(item)
+        if name is None:
+            free.append(item)
+        else:
+            groups.setdefault(name, []).append(item)
+    longest = sorted(groups, key=lambda name: -GROUP_SECONDS.get(name, 1))
+    rest = iter(free)
+    queue = [item for name in longest[:workers] for item in groups[name]]
+    queue += islice(rest, workers)
+    for name in longest[workers:]:
+        queue += [*groups[name], *islice(rest, FREE_AFTER_GROUP)]
+    return [*queue, *rest]
+
+
+def _name_group(item: pytest.Item) -> None:
+    """Give the test's nodeid the suffix `@<group>`, by which xdist's loadgroup keeps a group on
+    one worker. xdist 3.8's own hook writes it to Item._nodeid, which pytest 9 no longer reads (the
+    nodeid is Item._id, a NodeId): without this, every test of a group is a unit of its own."""
+    group = _group(item)
+    if group is None or item.nodeid.endswith(f"@{group}"):
+        return
+    nodeid = f"{item.nodeid}@{group}"
+    if hasattr(item, "_id"):
+        item._id = type(item._id).parse(nodeid)
+    else:
+        item._nodeid = nodeid
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("lab") is not None and _group(item) is None:
+            item.add_marker(pytest.mark.xdist_group("lab"))
+    # Only on xdist's workers (they all order it the same way); a sequential run keeps the order.
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:
+        return
+    items[:] = _queue(items, int(workerinput["workercount"]))
+    if config.getvalue("loadgroup"):
+        for item in items:
+            _name_group(item)

@@ -1,4 +1,9 @@
-"""Runs each molecule scenario (real containers on the lab node image) as one test."""
+"""Runs each molecule scenario (real containers on the lab node image) as one test.
+
+Each scenario is an xdist group of its own (`make test` runs the suite with `--dist loadgroup`):
+its containers, network and ephemeral directory are named after it, so scenarios run side by
+side; tests/conftest.py starts the longest first.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +20,10 @@ SCENARIOS = sorted(p.parent.name for p in (ROOT / "molecule").glob("*/molecule.y
 
 
 @pytest.mark.molecule
-@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize(
+    "scenario",
+    [pytest.param(s, marks=pytest.mark.xdist_group(f"molecule-{s}")) for s in SCENARIOS],
+)
 def test_molecule_scenario_passes(scenario: str) -> None:
     """`molecule test -s <scenario>`: create, converge, idempotence, verify, destroy."""
     if shutil.which("docker") is None:

@@ -160,9 +160,13 @@ def _command_lines() -> list[str]:
 def _files_holding(root: Path, *needles: str) -> list[str]:
     found = []
     for path in root.rglob("*"):
-        if path.is_file():
-            text = path.read_bytes().decode("utf-8", errors="replace")
-            found += [f"{path}: {needle}" for needle in needles if needle in text]
+        # runs/ may be written meanwhile (the lab's tests on another worker): a file that is
+        # gone (renamed into place, rotated) held nothing of this test.
+        try:
+            text = path.read_bytes().decode("utf-8", errors="replace") if path.is_file() else ""
+        except FileNotFoundError:
+            continue
+        found += [f"{path}: {needle}" for needle in needles if needle in text]
     return found
 
 

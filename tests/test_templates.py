@@ -91,6 +91,12 @@ def _render(inventory: Path, out: Path, model: str) -> subprocess.CompletedProce
     )
 
 
+# Every test here reads the one rendering and parse of the session fixtures: under xdist they run
+# on one worker, so both happen once (two parsers on two workers would also both listen on the
+# parse's MASTER_PORT).
+pytestmark = pytest.mark.xdist_group("templates")
+
+
 @pytest.fixture(scope="session")
 def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
     """Render every model at its stages (PAIRS); return the run directory of each."""
