@@ -27,7 +27,9 @@ if [[ ! -f $lock ]]; then
   exit 1
 fi
 wheelhouse="${LLAMA_CLUSTER_WHEELHOUSE:-$cache/wheelhouse/cp$tag-pypi}"
-stamp="$(sha256sum "$lock" | cut -c1-16)"
+# The stamp names the lock and the bytecode: a venv from before the bytecode was compiled is
+# compiled once.
+stamp="$(sha256sum "$lock" | cut -c1-16)-pyc"
 
 # The serve and TensorBoard tests (molecule/train/tests/test_serve.py) need tensorboard too, at the
 # pin of llamafactory_extra_versions (it is no part of the node lock).
@@ -58,5 +60,11 @@ UV_CACHE_DIR="${UV_CACHE_DIR:-$cache/uv}" UV_NO_CONFIG=1 "$uv" pip install --qui
   --python "$venv_dir/bin/python" --no-index --find-links "$wheelhouse" -r "$lock"
 UV_CACHE_DIR="${UV_CACHE_DIR:-$cache/uv}" UV_NO_CONFIG=1 "$uv" pip install --quiet \
   --python "$venv_dir/bin/python" --find-links "$wheelhouse" "tensorboard==$tensorboard_pin"
+# Bytecode now: molecule mounts this venv read-only into its nodes, where Python cannot write
+# __pycache__, and every process would compile the stack again (importing LLaMA-Factory's trainer:
+# 32 s of CPU from source, 13 s from bytecode, measured 2026-12-03). compileall compiles only what
+# is missing or stale; the few files of test data that are not valid Python are left as they are.
+echo "compiling the venv's bytecode"
+"$python_bin" -m compileall -q -j 0 "$("$python_bin" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null 2>&1 || true
 "$python_bin" -c "$probe"
 echo "$stamp" >"$venv_dir/.lock-stamp"

@@ -514,8 +514,11 @@ def test_install_argv_from_the_wheelhouse_is_offline_under_the_lock_for_uv_and_p
     uv = env_filters.install_argv(["torch==2.11.0"], {**spec, "installer": "uv"})
     assert uv == [
         "/e/bin/uv", "pip", "install", "--python", "/e/bin/python", "--no-index",
-        "--find-links", "/w", "--constraint", "/e/constraints.txt", "torch==2.11.0",
+        "--find-links", "/w", "--constraint", "/e/constraints.txt", "--compile-bytecode",
+        "torch==2.11.0",
     ]  # fmt: skip
+    dry = env_filters.install_argv(["torch==2.11.0"], {**spec, "installer": "uv", "dry_run": True})
+    assert dry[-2:] == ["--dry-run", "torch==2.11.0"]
     pip = env_filters.install_argv(["torch==2.11.0"], {**spec, "installer": "pip", "no_deps": True})
     assert pip[:5] == ["/e/bin/python", "-m", "pip", "install", "--disable-pip-version-check"]
     assert pip[5:] == [

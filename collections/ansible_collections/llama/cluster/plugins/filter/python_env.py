@@ -91,6 +91,11 @@ def install_argv(packages: Iterable[str], spec: Mapping[str, Any]) -> list[str]:
         argv.append("--no-deps")
     if spec.get("dry_run"):
         argv.append("--dry-run")
+    elif installer == "uv":
+        # Bytecode at install, as pip does: the environment belongs to root and the job's user
+        # cannot write __pycache__, so without it every rank of every launch compiles the stack
+        # from source (importing LLaMA-Factory's trainer: 32 s of CPU, 13 s from bytecode).
+        argv.append("--compile-bytecode")
     packages = [str(p) for p in packages]
     if not packages:
         raise AnsibleFilterError("install_argv was given no packages to install.")
