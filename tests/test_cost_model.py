@@ -96,6 +96,18 @@ def test_ring_traffic_by_stage() -> None:
     assert cost.traffic(shape, cost.Setup("full", "zero3", False, 2048), 1).wire_bytes == 0
 
 
+def test_deepspeed_moves_values_in_the_runs_precision_ddp_always_fp32() -> None:
+    shape = SHAPES["1.5b"]
+
+    def moved(stage: str, *, half: bool) -> float:
+        setup = cost.Setup("full", stage, False, 2048, 4, half=half)
+        return cost.traffic(shape, setup, 2).wire_bytes
+
+    for stage in ("zero1", "zero2", "zero3"):
+        assert moved(stage, half=False) == pytest.approx(2 * moved(stage, half=True))
+    assert moved("none", half=False) == moved("none", half=True)
+
+
 def test_communication_is_bytes_over_bandwidth_plus_latency_and_the_per_step_overhead() -> None:
     moved = cost.Traffic(wire_bytes=1.25e9, collectives=10, what="")
     link = cost.Link.from_gbps(10, latency_ms=0.5, source="test")

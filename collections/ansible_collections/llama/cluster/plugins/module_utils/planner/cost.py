@@ -68,9 +68,10 @@ COMMUNICATION: dict[str, float] = {
     "ds_bucket_bytes": 5e8,  # roles/run_config run_config_ds_bucket_size
 }
 # Bytes of a gradient in the all-reduce: LLaMA-Factory upcasts trainable weights to fp32 without
-# DeepSpeed (measured: 2.0 GB all-reduced for the 0.5B); DeepSpeed's bf16 engine reduces bf16.
-GRAD_BYTES = {"ddp": 4.0, "deepspeed": 2.0}
-WEIGHT_BYTES = 2.0  # bf16 weights gathered by ZeRO-3
+# DeepSpeed (measured: 2.0 GB all-reduced for the 0.5B); DeepSpeed's engine reduces and gathers
+# in the run's precision: bf16 or fp16 on GPUs, fp32 on CPUs (bench/links.py measured both).
+DDP_GRAD_BYTES = 4.0
+HALF_BYTES, FULL_BYTES = 2.0, 4.0
 
 # The stage each cost term was measured with (zero0 is DDP under DeepSpeed, fsdp is planned as
 # ZeRO-3: both measured only as what they resemble).
@@ -81,7 +82,8 @@ COST_STAGE = {"none": "none", "zero0": "none", "zero1": "zero1", "zero2": "zero2
 @dataclass(frozen=True)
 class Setup:
     """What a step's time depends on besides the model: fine-tuning type, DeepSpeed stage,
-    checkpointing, tokens of one micro-batch, micro-batches per optimizer step, LoRA rank."""
+    checkpointing, tokens of one micro-batch, micro-batches per optimizer step, LoRA rank, and
+    whether the run trains in 16-bit precision (bf16 or fp16; False: fp32, as on CPUs)."""
 
     finetuning: str
     stage: str
@@ -89,6 +91,12 @@ class Setup:
     micro_tokens: int
     accumulation: int = 1
     lora_rank: int = 8
+    half: bool = True
+
+    @property
+    def engine_bytes(self) -> float:
+        """Bytes of one value DeepSpeed's engine reduces or gathers."""
+        return HALF_BYTES if self.half else FULL_BYTES
 
 
 def lora_params(shape: Shape, rank: int, heads_ratio: float = 1.0) -> float:
@@ -178,10 +186,11 @@ def traffic(shape: Shape, setup: Setup, world: int) -> Traffic:
 
     DDP (none, zero0) and ZeRO-1: the gradients all-reduced once per step (accumulation runs
     without synchronising); ZeRO-2: the gradients reduce-scattered every micro-batch, the
-    updated bf16 weights all-gathered once per step; ZeRO-3 (and offload): the bf16 weights
-    all-gathered for the forward and again for the backward, and the gradients
-    reduce-scattered, every micro-batch. LoRA moves the adapter's gradients only, except under
-    ZeRO-3, which shards and gathers the frozen weights too.
+    updated weights all-gathered once per step; ZeRO-3 (and offload): the weights all-gathered
+    for the forward and again for the backward, and the gradients reduce-scattered, every
+    micro-batch. DeepSpeed moves values in the run's precision (Setup.half). LoRA moves the
+    adapter's gradients only, except under ZeRO-3, which shards and gathers the frozen weights
+    too.
     """
     if world <= 1:
         return Traffic(0.0, 0.0, "one process: nothing to exchange")
@@ -193,29 +202,29 @@ def traffic(shape: Shape, setup: Setup, world: int) -> Traffic:
     measured = COST_STAGE[setup.stage]
     c = COMMUNICATION
     if measured == "none":
-        size = trainable * GRAD_BYTES["ddp"]
+        size = trainable * DDP_GRAD_BYTES
         return Traffic(
             ring * size,
             max(1.0, size / c["ddp_bucket_bytes"]),
             "gradients (fp32) all-reduced once per optimizer step",
         )
-    grads = trainable * GRAD_BYTES["deepspeed"]
+    grads = trainable * setup.engine_bytes
     buckets = max(1.0, grads / c["ds_bucket_bytes"])
     if measured == "zero1":
-        weights = trainable * WEIGHT_BYTES
+        weights = trainable * setup.engine_bytes
         return Traffic(
             half * grads + half * weights,
             2 * buckets,
             "gradients reduce-scattered and weights gathered once per optimizer step",
         )
     if measured == "zero2":
-        weights = trainable * WEIGHT_BYTES
+        weights = trainable * setup.engine_bytes
         return Traffic(
             a * half * grads + half * weights,
             a * buckets + buckets,
             "gradients reduce-scattered every micro-batch, weights gathered once per step",
         )
-    weights = shape.params * WEIGHT_BYTES
+    weights = shape.params * setup.engine_bytes
     return Traffic(
         a * (2 * half * weights + half * grads),
         a * (2 * shape.layers + buckets),
