@@ -184,13 +184,15 @@ class Traffic:
 def traffic(shape: Shape, setup: Setup, world: int) -> Traffic:
     """Bytes each rank moves per optimizer step across the run's ranks, by stage.
 
-    DDP (none, zero0) and ZeRO-1: the gradients all-reduced once per step (accumulation runs
-    without synchronising); ZeRO-2: the gradients reduce-scattered every micro-batch, the
-    updated weights all-gathered once per step; ZeRO-3 (and offload): the weights all-gathered
-    for the forward and again for the backward, and the gradients reduce-scattered, every
-    micro-batch. DeepSpeed moves values in the run's precision (Setup.half). LoRA moves the
-    adapter's gradients only, except under ZeRO-3, which shards and gathers the frozen weights
-    too.
+    DDP (none, zero0): the gradients all-reduced once per step (accumulation runs without
+    synchronising); ZeRO-1: the same once per step, then the updated weights all-gathered;
+    ZeRO-2: the gradients all-reduced every micro-batch, the updated weights all-gathered once
+    per step (DeepSpeed 0.19's default use_multi_rank_bucket_allreduce all-reduces the
+    partitions' buckets instead of reducing each to its owner: twice a reduce-scatter's bytes,
+    measured by bench/links.py); ZeRO-3 (and offload): the weights all-gathered for the forward
+    and again for the backward, and the gradients reduce-scattered, every micro-batch.
+    DeepSpeed moves values in the run's precision (Setup.half). LoRA moves the adapter's
+    gradients only, except under ZeRO-3, which shards and gathers the frozen weights too.
     """
     if world <= 1:
         return Traffic(0.0, 0.0, "one process: nothing to exchange")
@@ -213,16 +215,16 @@ def traffic(shape: Shape, setup: Setup, world: int) -> Traffic:
     if measured == "zero1":
         weights = trainable * setup.engine_bytes
         return Traffic(
-            half * grads + half * weights,
+            ring * grads + half * weights,
             2 * buckets,
-            "gradients reduce-scattered and weights gathered once per optimizer step",
+            "gradients all-reduced and weights gathered once per optimizer step",
         )
     if measured == "zero2":
         weights = trainable * setup.engine_bytes
         return Traffic(
-            a * half * grads + half * weights,
+            a * ring * grads + half * weights,
             a * buckets + buckets,
-            "gradients reduce-scattered every micro-batch, weights gathered once per step",
+            "gradients all-reduced every micro-batch, weights gathered once per step",
         )
     weights = shape.params * setup.engine_bytes
     return Traffic(
