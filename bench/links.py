@@ -1,0 +1,421 @@
+"""Step times over emulated links: LLaMA-Factory on the CPU lab against the cost model.
+
+    python bench/links.py                      2 and 3 nodes, 1000 and 100 Mbit/s, four plans
+    python bench/links.py --nodes 2 --rates 100 --plans none:1,zero3:1 --steps 6
+
+Starts lab containers of its own (the node image; the training stack mounted read-only from
+$LLAMA_CLUSTER_TRAIN_VENV, as molecule's train scenario does), each held to --cpus CPUs so that
+one, two or three nodes on this machine compute at the same rate, and makes a Qwen2-shaped model
+with scripts/make_tiny_model.py (--hidden wide: about 12 M parameters at 768, so that moving
+gradients costs as much as computing them on a CPU). Then, for each link rate:
+
+1. every node's egress on eth0 is limited with tc's token bucket (`tbf`; the lab's kernel has no
+   netem, so no added latency), and check.yml's own all-reduce (roles/preflight/files/
+   allreduce.py: gloo, 16 MiB) measures the link, the figure train.yml's planner reads;
+2. every plan (`stage:accumulation`; stage none is DDP) trains --steps optimizer steps through
+   LLaMA-Factory: bench/lf_entry.py under torchrun on every node, as `llamafactory-cli train`
+   with FORCE_TORCHRUN=1 starts it, the DeepSpeed configuration rendered from the project's
+   templates/deepspeed.json.j2; the step time is the mean after --warmup steps.
+
+The prediction is the planner's arithmetic with the compute part measured, since the cost
+model's compute coefficients are fitted on H200s:
+
+    predicted = the plan's step time on one node (compute, optimizer, the engine's own work)
+              + planner/cost.py communication_seconds(traffic(shape, setup, nodes), link)
+
+with setup.half false (the CPU trains in fp32). The plan with the best predicted tokens/s at a
+rate and node count is the one the planner's search would choose: it is marked, and so is the
+fastest measured. Writes bench/results/links.md (the table and its command) and links.json.
+A benchmark, not a test: it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "collections"))
+
+from ansible_collections.llama.cluster.plugins.module_utils.planner import cost  # noqa: E402
+from ansible_collections.llama.cluster.plugins.module_utils.planner.measured_memory import (  # noqa: E402
+    Shape,
+)
+
+IMAGE = "llama-cluster-node:bookworm-2"
+# Mounted read-only; the node's own python3 (the same minor version) imports from it.
+VENV = os.environ.get("LLAMA_CLUSTER_TRAIN_VENV", "/var/cache/llama-cluster/venv-train")
+SITE = f"{VENV}/lib/python3.11/site-packages"
+PREFIX = "links"
+MASTER_PORT = 29400
+
+
+def sh(*argv: str, check: bool = True, timeout: float | None = None) -> str:
+    """Run a command on this machine; its stdout."""
+    done = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=timeout)
+    if check and done.returncode:
+        raise SystemExit(f"{shlex.join(argv)} failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    return done.stdout
+
+
+def node(i: int) -> str:
+    return f"{PREFIX}-node{i + 1}"
+
+
+def start_nodes(count: int, cpus: float, work: Path) -> None:
+    """Start `count` containers on a network of their own; the venv and the work dir mounted."""
+    stop_nodes()
+    sh("docker", "network", "create", PREFIX)
+    for i in range(count):
+        out = work / "out" / node(i)
+        out.mkdir(parents=True, exist_ok=True)
+        sh(
+            "docker", "run", "-d", "--name", node(i), "--hostname", node(i),
+            "--network", PREFIX, "--cap-add", "NET_ADMIN", f"--cpus={cpus}",
+            "-v", f"{VENV}:{VENV}:ro", "-v", f"{work}:/work:ro", "-v", f"{out}:/out",
+            IMAGE, "sleep", "infinity",
+        )  # fmt: skip
+
+
+def stop_nodes() -> None:
+    names = sh("docker", "ps", "-aq", "--filter", f"name=^{PREFIX}-node").split()
+    if names:
+        sh("docker", "rm", "-f", *names)
+    sh("docker", "network", "rm", PREFIX, check=False)
+
+
+def limit(nodes: int, mbit: int | None) -> None:
+    """Each node's egress at `mbit` (None: unlimited): tbf, a burst of 10 ms at the rate."""
+    for i in range(nodes):
+        if mbit is None:
+            sh("docker", "exec", node(i), "tc", "qdisc", "del", "dev", "eth0", "root", check=False)
+            continue
+        burst = max(16, mbit * 1000 // 8 // 100)  # kbyte
+        sh(
+            "docker", "exec", node(i), "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf",
+            "rate", f"{mbit}mbit", "burst", f"{burst}kb", "latency", "50ms",
+        )  # fmt: skip
+
+
+def torchrun(nodes: int, script: str, args: list[str], env: dict[str, str], timeout: float) -> None:
+    """The script under torchrun on the first `nodes` nodes at once, as the launcher starts it."""
+    procs = []
+    for rank in range(nodes):
+        exports = {
+            "PYTHONPATH": SITE,
+            "OMP_NUM_THREADS": "1",
+            "HF_HUB_OFFLINE": "1",
+            "GLOO_SOCKET_IFNAME": "eth0",
+            **env,
+        }
+        argv = [
+            "docker", "exec", *[f"--env={k}={v}" for k, v in exports.items()], node(rank),
+            "python3", "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node_rank={rank}",
+            "--nproc_per_node=1", f"--master_addr={node(0)}", f"--master_port={MASTER_PORT}",
+            script, *args,
+        ]  # fmt: skip
+        log = open(f"/tmp/{PREFIX}-rank{rank}.log", "w")  # noqa: SIM115 - closed below
+        procs.append((subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT), log))
+    deadline = time.monotonic() + timeout
+    failed = []
+    for rank, (proc, log) in enumerate(procs):
+        try:
+            code = proc.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = -9
+        log.close()
+        if code:
+            failed.append(f"rank {rank} exited {code}: /tmp/{PREFIX}-rank{rank}.log")
+    if failed:
+        for i in range(nodes):  # leave no rank behind for the next run
+            sh("docker", "exec", node(i), "pkill", "-f", "torchrun", check=False)
+        raise SystemExit("\n".join(failed))
+
+
+def measure_link(nodes: int) -> dict[str, Any]:
+    """check.yml's gloo all-reduce over the nodes (rank 0 writes its JSON line)."""
+    torchrun(
+        nodes,
+        "/work/allreduce.py",
+        ["--mib", "16", "--iterations", "5", "--warmup", "1", "--result", "/out/allreduce.json"],
+        {},
+        timeout=300,
+    )
+    return json.loads((WORK / "out" / node(0) / "allreduce.json").read_text())
+
+
+def deepspeed_config(stage: str) -> dict[str, Any]:
+    """templates/deepspeed.json.j2 rendered for `stage` with roles/run_config's values."""
+    defaults = yaml.safe_load((ROOT / "roles/run_config/defaults/main.yml").read_text())
+    zero = yaml.safe_load((ROOT / "roles/run_config/vars/main.yml").read_text())
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined)
+    env.filters["bool"] = bool
+    env.filters["to_nice_json"] = lambda v, indent=2, sort_keys=False: json.dumps(v, indent=indent)
+
+    def resolve(value: Any) -> Any:  # noqa: ANN401 - YAML data
+        if isinstance(value, dict):
+            return {k: resolve(v) for k, v in value.items()}
+        if isinstance(value, str) and "{{" in value:
+            return yaml.safe_load(env.from_string(value).render(**defaults))
+        return value
+
+    section = resolve(zero["__run_config_ds_zero"][stage])
+    template = env.from_string((ROOT / "templates/deepspeed.json.j2").read_text())
+    return json.loads(template.render(run_config_ds_zero=section))
+
+
+@dataclass
+class Plan:
+    stage: str
+    accumulation: int
+
+    @classmethod
+    def parse(cls, text: str) -> Plan:
+        stage, _, accumulation = text.partition(":")
+        return cls(stage, int(accumulation or 1))
+
+    @property
+    def label(self) -> str:
+        name = "DDP" if self.stage == "none" else self.stage.replace("zero", "ZeRO-")
+        return f"{name}, accumulation {self.accumulation}"
+
+
+# DeepSpeed's CPU backend builds its shared-memory all-reduce (for ranks of one node) at start-up,
+# which needs a compiler the node image lacks; with one rank per node it would never be used:
+# the entry marks the op unavailable, and DeepSpeed all-reduces over gloo.
+# On GPUs accelerate starts DeepSpeed's communication before the model loads; on a CPU it does
+# not, and ZeRO-3's zero.Init would then size its batch for one rank: the entry starts it.
+ENTRY = """import os
+import runpy
+import deepspeed
+import deepspeed.ops
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+if os.environ.get("LINKS_DEEPSPEED") == "1":
+    deepspeed.init_distributed(dist_backend="gloo")
+runpy.run_path("/work/lf_entry.py", run_name="__main__")
+"""
+
+
+def train_config(plan: Plan, steps: int, cutoff: int) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "model_name_or_path": "/work/model",
+        "stage": "sft",
+        "do_train": True,
+        "finetuning_type": "full",
+        "dataset": "links",
+        "dataset_dir": "/work/data",
+        "template": "qwen",
+        "cutoff_len": cutoff,
+        "packing": True,
+        "overwrite_cache": True,
+        "preprocessing_num_workers": 1,
+        "output_dir": "/out/run",
+        "overwrite_output_dir": True,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": "none",
+        "per_device_train_batch_size": 1,
+        "gradient_accumulation_steps": plan.accumulation,
+        "learning_rate": 1e-4,
+        "max_steps": steps,
+        "bf16": False,
+        "use_cpu": True,
+        "ddp_timeout": 600,
+        "ddp_find_unused_parameters": False,
+    }
+    if plan.stage != "none":
+        config["deepspeed"] = f"/work/ds_{plan.stage}.json"
+    return config
+
+
+def train(plan: Plan, nodes: int, steps: int, warmup: int, cutoff: int) -> dict[str, Any]:
+    """One run of the plan on the first `nodes` nodes; rank 0's timing window."""
+    name = f"{plan.stage}-{plan.accumulation}.yaml"
+    (WORK / name).write_text(yaml.safe_dump(train_config(plan, steps, cutoff)))
+    result = WORK / "out" / node(0) / "bench" / "rank0.json"
+    result.unlink(missing_ok=True)
+    env = {
+        "BENCH_OUT": "/out/bench",
+        "BENCH_WARMUP_STEPS": str(warmup),
+        "BENCH_SKIP_SAVE": "1",
+        "LINKS_DEEPSPEED": "1" if plan.stage != "none" else "0",
+    }
+    started = time.monotonic()
+    torchrun(nodes, "/work/entry.py", [f"/work/{name}"], env, timeout=1800)
+    rank0 = json.loads(result.read_text())
+    return {
+        "step_s": rank0["window_s"] / rank0["window_steps"],
+        "window_steps": rank0["window_steps"],
+        "tokens_per_step": rank0["window_slot_tokens"] / rank0["window_steps"],
+        "wall_s": time.monotonic() - started,
+        "loss": [h["loss"] for h in rank0["log_history"] if "loss" in h],
+    }
+
+
+def prepare(work: Path, hidden: int, lines: int) -> Shape:
+    """The model, an alpaca dataset of long answers, the DeepSpeed configs, the scripts."""
+    model = work / "model"
+    if not (model / "tiny_model.json").is_file():
+        sh(
+            sys.executable,
+            str(ROOT / "scripts/make_tiny_model.py"),
+            str(model),
+            "--hidden",
+            str(hidden),
+            "--vocab-size",
+            "400",
+        )
+    summary = json.loads((model / "tiny_model.json").read_text())
+    config = json.loads((model / "config.json").read_text())
+    words = ["every", "rank", "waits", "for", "the", "slow", "link", "between", "two", "nodes"]
+    rows = [
+        {
+            "instruction": f"question {i}",
+            "input": "",
+            "output": " ".join(words[(i + j) % len(words)] for j in range(200)),
+        }
+        for i in range(lines)
+    ]
+    data = work / "data"
+    data.mkdir(exist_ok=True)
+    (data / "links.json").write_text(json.dumps(rows))
+    (data / "dataset_info.json").write_text(json.dumps({"links": {"file_name": "links.json"}}))
+    (work / "entry.py").write_text(ENTRY)
+    for stage in ("zero1", "zero2", "zero3"):
+        (work / f"ds_{stage}.json").write_text(json.dumps(deepspeed_config(stage), indent=2))
+    for script in (ROOT / "bench/lf_entry.py", ROOT / "roles/preflight/files/allreduce.py"):
+        (work / script.name).write_text(script.read_text())
+    return Shape.from_config(config, float(summary["parameters"]))
+
+
+def communication(shape: Shape, plan: Plan, nodes: int, link: cost.Link, cutoff: int) -> float:
+    """The cost model's seconds of communication per step of the plan on `nodes` nodes (fp32)."""
+    setup = cost.Setup("full", plan.stage, False, cutoff, plan.accumulation, half=False)
+    return cost.communication_seconds(cost.traffic(shape, setup, nodes), link, nodes) or 0.0
+
+
+def measure_group(
+    args: argparse.Namespace,
+    shape: Shape,
+    plans: list[Plan],
+    *,
+    nodes: int,
+    mbit: int,
+    one: dict[str, dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """Every plan on `nodes` nodes over a link limited to `mbit`; the chosen and fastest marked."""
+    limit(args.max_nodes, mbit)
+    measured = measure_link(nodes)
+    link = cost.Link.from_gbps(measured["busbw_gbps"], 0.0, "allreduce.py, gloo")
+    group = []
+    for plan in plans:
+        base = one[plan.label]["step_s"]
+        comm = communication(shape, plan, nodes, link, args.cutoff)
+        run = train(plan, nodes, args.steps, args.warmup, args.cutoff)
+        row = {
+            "nodes": nodes,
+            "mbit": mbit,
+            "busbw_gbps": measured["busbw_gbps"],
+            "plan": plan.label,
+            "stage": plan.stage,
+            "accumulation": plan.accumulation,
+            "one_node_s": base,
+            "communication_s": comm,
+            "predicted_s": base + comm,
+            "measured_s": run["step_s"],
+            "error": (base + comm) / run["step_s"] - 1,
+            "tokens_per_step": plan.accumulation * args.cutoff * nodes,
+            "loss": run["loss"],
+        }
+        print(json.dumps(row), flush=True)
+        group.append(row)
+    best = max(group, key=lambda r: r["tokens_per_step"] / r["predicted_s"])
+    fastest = max(group, key=lambda r: r["tokens_per_step"] / r["measured_s"])
+    for row in group:
+        row["chosen"], row["fastest"] = row is best, row is fastest
+    limit(args.max_nodes, None)
+    return group
+
+
+def table(rows: list[dict[str, Any]], command: str) -> str:
+    out = [
+        "| nodes | link (set) | all-reduce measured | plan | one node s/step | predicted s/step "
+        "| measured s/step | error | chosen | fastest |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['nodes']} | {r['mbit']} Mbit/s | {r['busbw_gbps'] * 1000:.0f} Mbit/s "
+            f"| {r['plan']} | {r['one_node_s']:.2f} | {r['predicted_s']:.2f} "
+            f"| {r['measured_s']:.2f} | {r['error']:+.0%} | {'**chosen**' if r['chosen'] else ''} "
+            f"| {'**fastest**' if r['fastest'] else ''} |"
+        )
+    errors = [abs(r["error"]) for r in rows]
+    out += [
+        "",
+        f"Largest error {max(errors):.0%}, mean {sum(errors) / len(errors):.0%}.",
+        "",
+        f"    {command}",
+    ]
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    global WORK  # noqa: PLW0603 - one work directory per invocation
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", default="2,3")
+    parser.add_argument("--rates", default="1000,100", help="Mbit/s each node may send")
+    parser.add_argument("--plans", default="none:1,none:8,zero2:1,zero3:1")
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--cutoff", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--cpus", type=float, default=0.6)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/links-bench"))
+    parser.add_argument("--results", type=Path, default=ROOT / "bench/results")
+    parser.add_argument("--keep", action="store_true", help="leave the containers running")
+    args = parser.parse_args()
+    WORK = args.work
+    WORK.mkdir(parents=True, exist_ok=True)
+    counts = [int(n) for n in args.nodes.split(",")]
+    rates = [int(r) for r in args.rates.split(",")]
+    plans = [Plan.parse(p) for p in args.plans.split(",")]
+    args.max_nodes = max(counts)
+    shape = prepare(WORK, args.hidden, 400)
+    start_nodes(args.max_nodes, args.cpus, WORK)
+    rows: list[dict[str, Any]] = []
+    try:
+        one = {}
+        for plan in plans:
+            one[plan.label] = train(plan, 1, args.steps, args.warmup, args.cutoff)
+            print(f"1 node, {plan.label}: {one[plan.label]['step_s']:.2f} s/step", flush=True)
+        for nodes in counts:
+            for mbit in rates:
+                rows += measure_group(args, shape, plans, nodes=nodes, mbit=mbit, one=one)
+    finally:
+        if not args.keep:
+            stop_nodes()
+    command = "python bench/links.py " + shlex.join(sys.argv[1:])
+    args.results.mkdir(parents=True, exist_ok=True)
+    meta = {"shape": asdict(shape), "cpus": args.cpus, "one_node": one, "command": command}
+    (args.results / "links.json").write_text(json.dumps({"rows": rows, **meta}, indent=1))
+    (args.results / "links.md").write_text(table(rows, command))
+    print(table(rows, command))
+
+
+WORK = Path("/tmp/links-bench")
+
+if __name__ == "__main__":
+    main()
