@@ -300,29 +300,63 @@ def prepare(work: Path, hidden: int, lines: int) -> Shape:
     return Shape.from_config(config, float(summary["parameters"]))
 
 
-def communication(shape: Shape, plan: Plan, nodes: int, link: cost.Link, cutoff: int) -> float:
-    """The cost model's seconds of communication per step of the plan on `nodes` nodes (fp32)."""
-    setup = cost.Setup("full", plan.stage, False, cutoff, plan.accumulation, half=False)
-    return cost.communication_seconds(cost.traffic(shape, setup, nodes), link, nodes) or 0.0
+def communication(shape: Shape, row: dict[str, Any], cutoff: int) -> float:
+    """The cost model's seconds of communication per step of a row's plan (fp32, no latency:
+    tbf adds none) over the link its all-reduce measured."""
+    setup = cost.Setup("full", row["stage"], False, cutoff, row["accumulation"], half=False)
+    link = cost.Link.from_gbps(row["busbw_gbps"], 0.0, "allreduce.py, gloo")
+    moved = cost.traffic(shape, setup, row["nodes"])
+    return cost.communication_seconds(moved, link, row["nodes"]) or 0.0
+
+
+def micro_batch_seconds(one: dict[str, dict[str, Any]]) -> float:
+    """Seconds of one micro-batch's forward and backward on one node: the slope between the
+    one-node DDP runs of different accumulation (0 without two of them)."""
+    ddp = sorted((r["accumulation"], r["step_s"]) for r in one.values() if r["stage"] == "none")
+    if len(ddp) < 2 or ddp[0][0] == ddp[-1][0]:
+        return 0.0
+    (a0, t0), (a1, t1) = ddp[0], ddp[-1]
+    return (t1 - t0) / (a1 - a0)
+
+
+def assess(rows: list[dict[str, Any]], one: dict[str, dict[str, Any]], shape: Shape,
+           cutoff: int) -> None:  # fmt: skip
+    """Each row's prediction and error; per node count and rate, the plan of the best predicted
+    tokens/s (the planner's choice) and the fastest measured, over every plan and among the
+    plans of the same tokens per step (what the planner's search compares: the user's batch).
+
+    predicted = the plan's step on one node + its communication - under ZeRO, the share of the
+    one-node step each rank now does for its 1/n partition: the step's work that is not per
+    micro-batch (the optimizer over the fp32 weights, the engine's partition copies), which
+    cost.py models as the optimizer term over the partition."""
+    micro = micro_batch_seconds(one)
+    for row in rows:
+        base = one[row["plan"]]["step_s"]
+        per_step = max(0.0, base - row["accumulation"] * micro)
+        shared = 0.0 if row["stage"] == "none" else per_step * (1 - 1 / row["nodes"])
+        row["one_node_s"], row["partition_saving_s"] = base, shared
+        row["communication_s"] = communication(shape, row, cutoff)
+        row["predicted_s"] = base - shared + row["communication_s"]
+        row["error"] = row["predicted_s"] / row["measured_s"] - 1
+    for suffix, key in (("", ()), ("_batch", ("tokens_per_step",))):
+        groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+        for row in rows:
+            groups.setdefault((row["nodes"], row["mbit"], *(row[k] for k in key)), []).append(row)
+        for group in groups.values():
+            best = max(group, key=lambda r: r["tokens_per_step"] / r["predicted_s"])
+            fastest = max(group, key=lambda r: r["tokens_per_step"] / r["measured_s"])
+            for row in group:
+                row["chosen" + suffix], row["fastest" + suffix] = row is best, row is fastest
 
 
 def measure_group(
-    args: argparse.Namespace,
-    shape: Shape,
-    plans: list[Plan],
-    *,
-    nodes: int,
-    mbit: int,
-    one: dict[str, dict[str, Any]],
+    args: argparse.Namespace, plans: list[Plan], *, nodes: int, mbit: int
 ) -> list[dict[str, Any]]:
-    """Every plan on `nodes` nodes over a link limited to `mbit`; the chosen and fastest marked."""
+    """Every plan on `nodes` nodes over a link limited to `mbit`: the measured step times."""
     limit(args.max_nodes, mbit)
     measured = measure_link(nodes)
-    link = cost.Link.from_gbps(measured["busbw_gbps"], 0.0, "allreduce.py, gloo")
     group = []
     for plan in plans:
-        base = one[plan.label]["step_s"]
-        comm = communication(shape, plan, nodes, link, args.cutoff)
         run = train(plan, nodes, args.steps, args.warmup, args.cutoff)
         row = {
             "nodes": nodes,
@@ -331,41 +365,46 @@ def measure_group(
             "plan": plan.label,
             "stage": plan.stage,
             "accumulation": plan.accumulation,
-            "one_node_s": base,
-            "communication_s": comm,
-            "predicted_s": base + comm,
             "measured_s": run["step_s"],
-            "error": (base + comm) / run["step_s"] - 1,
             "tokens_per_step": plan.accumulation * args.cutoff * nodes,
             "loss": run["loss"],
         }
         print(json.dumps(row), flush=True)
         group.append(row)
-    best = max(group, key=lambda r: r["tokens_per_step"] / r["predicted_s"])
-    fastest = max(group, key=lambda r: r["tokens_per_step"] / r["measured_s"])
-    for row in group:
-        row["chosen"], row["fastest"] = row is best, row is fastest
     limit(args.max_nodes, None)
     return group
 
 
 def table(rows: list[dict[str, Any]], command: str) -> str:
+    """The Markdown table: per row the prediction's parts, the measurement and the marks."""
+
+    def marks(row: dict[str, Any], suffix: str) -> str:
+        names = [n for n in ("chosen", "fastest") if row[n + suffix]]
+        return ", ".join(names)
+
     out = [
-        "| nodes | link (set) | all-reduce measured | plan | one node s/step | predicted s/step "
-        "| measured s/step | error | chosen | fastest |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| nodes | link (set) | all-reduce | plan | one node s | communication s "
+        "| partition saving s | predicted s/step | measured s/step | error | of all plans "
+        "| of the same batch |",
+        "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
         out.append(
             f"| {r['nodes']} | {r['mbit']} Mbit/s | {r['busbw_gbps'] * 1000:.0f} Mbit/s "
-            f"| {r['plan']} | {r['one_node_s']:.2f} | {r['predicted_s']:.2f} "
-            f"| {r['measured_s']:.2f} | {r['error']:+.0%} | {'**chosen**' if r['chosen'] else ''} "
-            f"| {'**fastest**' if r['fastest'] else ''} |"
+            f"| {r['plan']} | {r['one_node_s']:.2f} | {r['communication_s']:.2f} "
+            f"| {r['partition_saving_s']:.2f} | {r['predicted_s']:.2f} "
+            f"| {r['measured_s']:.2f} | {r['error']:+.0%} | {marks(r, '')} "
+            f"| {marks(r, '_batch')} |"
         )
     errors = [abs(r["error"]) for r in rows]
+    agree = all(
+        r["chosen"] == r["fastest"] and r["chosen_batch"] == r["fastest_batch"] for r in rows
+    )
     out += [
         "",
-        f"Largest error {max(errors):.0%}, mean {sum(errors) / len(errors):.0%}.",
+        f"Largest error {max(errors):.0%}, mean {sum(errors) / len(errors):.0%}; the chosen plan "
+        + ("is" if agree else "is not always")
+        + " the fastest measured.",
         "",
         f"    {command}",
     ]
@@ -386,7 +425,11 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/links-bench"))
     parser.add_argument("--results", type=Path, default=ROOT / "bench/results")
     parser.add_argument("--keep", action="store_true", help="leave the containers running")
+    parser.add_argument("--table-from", type=Path, help="recompute the table of a links.json")
     args = parser.parse_args()
+    if args.table_from:
+        report(json.loads(args.table_from.read_text()), args.results)
+        return
     WORK = args.work
     WORK.mkdir(parents=True, exist_ok=True)
     counts = [int(n) for n in args.nodes.split(",")]
@@ -399,20 +442,29 @@ def main() -> None:
     try:
         one = {}
         for plan in plans:
-            one[plan.label] = train(plan, 1, args.steps, args.warmup, args.cutoff)
-            print(f"1 node, {plan.label}: {one[plan.label]['step_s']:.2f} s/step", flush=True)
+            run = train(plan, 1, args.steps, args.warmup, args.cutoff)
+            one[plan.label] = {"stage": plan.stage, "accumulation": plan.accumulation, **run}
+            print(f"1 node, {plan.label}: {run['step_s']:.2f} s/step", flush=True)
         for nodes in counts:
             for mbit in rates:
-                rows += measure_group(args, shape, plans, nodes=nodes, mbit=mbit, one=one)
+                rows += measure_group(args, plans, nodes=nodes, mbit=mbit)
     finally:
         if not args.keep:
             stop_nodes()
     command = "python bench/links.py " + shlex.join(sys.argv[1:])
-    args.results.mkdir(parents=True, exist_ok=True)
-    meta = {"shape": asdict(shape), "cpus": args.cpus, "one_node": one, "command": command}
-    (args.results / "links.json").write_text(json.dumps({"rows": rows, **meta}, indent=1))
-    (args.results / "links.md").write_text(table(rows, command))
-    print(table(rows, command))
+    meta = {"shape": asdict(shape), "cutoff": args.cutoff, "cpus": args.cpus, "command": command}
+    report({"rows": rows, "one_node": one, **meta}, args.results)
+
+
+def report(results: dict[str, Any], directory: Path) -> None:
+    """Predictions and marks for the measured rows; links.json and links.md in `directory`."""
+    shape = Shape(**results["shape"])
+    assess(results["rows"], results["one_node"], shape, results["cutoff"])
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "links.json").write_text(json.dumps(results, indent=1))
+    text = table(results["rows"], results["command"])
+    (directory / "links.md").write_text(text)
+    print(text)
 
 
 WORK = Path("/tmp/links-bench")

@@ -109,6 +109,18 @@ def test_deepspeed_moves_values_in_the_runs_precision_ddp_always_fp32() -> None:
     assert moved("none", half=False) == moved("none", half=True)
 
 
+def test_zero_steps_the_optimizer_over_each_ranks_partition_ddp_over_every_weight() -> None:
+    shape = SHAPES["1.5b"]
+    for stage, shards in (("none", False), ("zero1", True), ("zero2", True), ("zero3", True)):
+        setup = cost.Setup("full", stage, False, 2048)
+        one, four = cost.features(shape, setup, 1), cost.features(shape, setup, 4)
+        expected = one["optimizer"] / 4 if shards else one["optimizer"]
+        assert four["optimizer"] == pytest.approx(expected), stage
+        assert {k: v for k, v in four.items() if k != "optimizer"} == {
+            k: v for k, v in one.items() if k != "optimizer"
+        }
+
+
 def test_communication_is_bytes_over_bandwidth_plus_latency_and_the_per_step_overhead() -> None:
     moved = cost.Traffic(wire_bytes=1.25e9, collectives=10, what="")
     link = cost.Link.from_gbps(10, latency_ms=0.5, source="test")

@@ -10,7 +10,7 @@ untied input embedding, which is a lookup; N_t the trainable ones; L layers) cos
   per FLOP, fitted: the kind's MFU at the H200's 989 TFLOP/s is 1 / (rate x 989e12));
 - per micro-batch: A L x `layer` (launches and the work that does not grow with tokens);
 - the optimizer's pass over the trainable weights, once per step: N_t x `optimizer`
-  (torch's fused AdamW or DeepSpeed's, fp32);
+  (torch's fused AdamW or DeepSpeed's, fp32; under ZeRO over each rank's 1/n partition);
 - full fine-tuning without DeepSpeed: autocast's bf16 copy of the fp32 weights, every micro-batch
   (A N x `cast`);
 - the DeepSpeed engine: ZeRO-1/2 move every trainable gradient into their partitioned buffers,
@@ -120,10 +120,11 @@ def trainable_params(shape: Shape, setup: Setup) -> float:
     return shape.params if setup.finetuning == "full" else lora_params(shape, setup.lora_rank)
 
 
-def features(shape: Shape, setup: Setup) -> dict[str, float]:
-    """The linear terms of one optimizer step's compute time: coefficient name -> what it
-    multiplies (the step is their dot product with COEFFICIENTS). bench/gpu/fit_cost.py fits
-    the same terms."""
+def features(shape: Shape, setup: Setup, world: int = 1) -> dict[str, float]:
+    """The linear terms of one optimizer step's compute time on one of `world` ranks:
+    coefficient name -> what it multiplies (the step is their dot product with COEFFICIENTS).
+    bench/gpu/fit_cost.py fits the same terms, on one rank. Under ZeRO each rank steps the
+    optimizer over its 1/world partition of the weights (bench/links.py measured the saving)."""
     kind = "full" if setup.finetuning == "full" else "lora"
     measured = COST_STAGE[setup.stage]
     a, t = float(setup.accumulation), float(setup.micro_tokens)
@@ -138,7 +139,7 @@ def features(shape: Shape, setup: Setup) -> dict[str, float]:
         terms["offload_micro"] = a * shape.params
         terms["zero3_layer"] = a * shape.layers
         return terms
-    terms["optimizer"] = trainable
+    terms["optimizer"] = trainable if measured == "none" else trainable / max(1, world)
     if measured == "none" and kind == "full":  # autocast casts the fp32 weights to bf16
         terms["cast"] = a * shape.params
     if measured == "zero2":
@@ -274,7 +275,7 @@ def step_cost(
     """The predicted time of one optimizer step (see the module docstring)."""
     moved = traffic(shape, setup, world)
     return StepCost(
-        compute=dot(features(shape, setup), coefficients),
+        compute=dot(features(shape, setup, world), coefficients),
         communication=communication_seconds(moved, link, world),
         traffic=moved,
         tokens=setup.micro_tokens * setup.accumulation,

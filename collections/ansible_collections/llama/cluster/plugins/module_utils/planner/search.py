@@ -9,7 +9,8 @@ into micro-batch x accumulation, and candidates are ranked by seconds per token.
 
 Not candidates: FSDP (never chosen, only run when asked: its cost is planned as ZeRO-3's), and
 HSDP or ZeRO++ hpZ (shards inside a node, replicas across nodes), which LLaMA-Factory 0.9.5 was
-not shown to run here (no lab run of either; DeepSpeed's ZeRO needs a GPU or oneCCL, not gloo).
+not shown to run here: both pay only with several GPUs per node, and no such machine was lent
+(the CPU lab runs one rank per node; bench/links.py ran ZeRO-2 and ZeRO-3 there over gloo).
 """
 
 from __future__ import annotations
