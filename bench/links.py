@@ -451,7 +451,7 @@ def main() -> None:
     finally:
         if not args.keep:
             stop_nodes()
-    command = "python bench/links.py " + shlex.join(sys.argv[1:])
+    command = shlex.join(["python", "bench/links.py", *sys.argv[1:]])
     meta = {"shape": asdict(shape), "cutoff": args.cutoff, "cpus": args.cpus, "command": command}
     report({"rows": rows, "one_node": one, **meta}, args.results)
 
