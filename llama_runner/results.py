@@ -24,6 +24,14 @@ def as_number(value: object, kind: type[int] | type[float]) -> Any:  # noqa: ANN
         return None
 
 
+def as_flag(value: object) -> bool | None:
+    """A boolean from a bool or Ansible's rendering of one ("True", "false"), else None."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower() if value is not None else ""
+    return {"true": True, "false": False}.get(text)
+
+
 def as_seconds(value: object) -> float | None:
     """Seconds from a number or an "[D days, ]H:MM:SS" duration; None when it is neither."""
     if isinstance(value, int | float):
@@ -153,6 +161,15 @@ class TrainSummary:
     checkpoints: tuple[str, ...] = ()
     controller_dir: Path | None = None
     loss_plot: Path | None = None
+    tokens_per_s: float | None = None  # measured: the trainer log's tokens over its time
+    predicted_tokens_per_s: float | None = None  # the planner's (GPU plans only)
+    # The plan's choices (train.yml's plan), so that the same plan can run elsewhere.
+    nnodes: int | None = None
+    deepspeed: str | None = None
+    per_device_train_batch_size: int | None = None
+    gradient_accumulation_steps: int | None = None
+    gradient_checkpointing: bool | None = None
+    torch_compile: bool | None = None
 
     @classmethod
     def from_stats(cls, data: Mapping[str, Any]) -> TrainSummary:
@@ -172,6 +189,14 @@ class TrainSummary:
             checkpoints=tuple(str(c) for c in data.get("checkpoints") or ()),
             controller_dir=path(data.get("controller_dir")),
             loss_plot=path(data.get("loss_plot")),
+            tokens_per_s=as_number(data.get("tokens_per_s"), float),
+            predicted_tokens_per_s=as_number(data.get("predicted_tokens_per_s"), float),
+            nnodes=as_number(data.get("nnodes"), int),
+            deepspeed=str(data["deepspeed"]) if data.get("deepspeed") else None,
+            per_device_train_batch_size=as_number(data.get("per_device_train_batch_size"), int),
+            gradient_accumulation_steps=as_number(data.get("gradient_accumulation_steps"), int),
+            gradient_checkpointing=as_flag(data.get("gradient_checkpointing")),
+            torch_compile=as_flag(data.get("torch_compile")),
         )
 
     @classmethod
@@ -193,6 +218,7 @@ class TrainSummary:
             runtime_s=as_number(results.get("train_runtime"), float),
             final_loss=as_number(figures["final_loss"], float),
             last_step=as_number(figures["last_step"], int),
+            tokens_per_s=as_number(figures["tokens_per_s"], float),
             controller_dir=directory,
             loss_plot=plot if plot.is_file() else None,
         )

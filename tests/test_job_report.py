@@ -27,6 +27,7 @@ from ansible_collections.llama.cluster.plugins.module_utils.trainer_log import (
     log_figures,
     parse_records,
     read_tail,
+    tokens_per_second,
 )
 from ansible_collections.llama.cluster.plugins.modules import llama_job as job_module
 from ansible_collections.llama.cluster.plugins.modules.llama_job import trainer_log
@@ -380,9 +381,42 @@ def test_figures_come_from_the_last_attempt_and_the_last_logged_loss():
         "total_steps": 90,
         "final_loss": 0.25,
         "elapsed": "0:01:05",
+        "tokens_per_s": None,  # no total_tokens: include_num_input_tokens_seen was off
         "records": 11,
     }
     assert log_figures([])["last_step"] is None
+
+
+def _timed(step: int, tokens: int, seconds: float) -> dict:
+    """A record as LLaMA-Factory writes it with include_num_input_tokens_seen on."""
+    return {
+        "current_steps": step,
+        "total_tokens": tokens,
+        "throughput": round(tokens / seconds, 2),
+        "elapsed_time": f"0:00:{int(seconds):02d}",
+    }
+
+
+def test_speed_is_taken_between_the_first_record_and_the_last():
+    # Step 1 takes 9 s (start-up), then 1,000 tokens per 0.5 s: 2,000 tokens/s from step 1 on,
+    # where the last record's throughput (since the start) says 640.
+    records = [_timed(s, 1000 * s, 9.0 + 0.5 * (s - 1)) for s in range(1, 9)]
+    assert records[-1]["throughput"] == 640.0
+    assert tokens_per_second(records) == pytest.approx(2000.0, rel=1e-4)
+    assert log_figures(records)["tokens_per_s"] == pytest.approx(2000.0, rel=1e-4)
+
+
+def test_speed_of_one_record_is_its_throughput_and_none_without_tokens():
+    assert tokens_per_second([_timed(1, 1000, 4.0)]) == pytest.approx(250.0)
+    assert tokens_per_second(_log(1, 2, 3)) is None
+    assert tokens_per_second([]) is None
+
+
+def test_speed_after_a_restart_is_the_last_attempts():
+    # Attempt 2 resumes at step 5 with the checkpoint's token count and its own clock.
+    first = [_timed(s, 1000 * s, 1.0 * s) for s in range(1, 8)]
+    second = [_timed(s, 1000 * s, 20.0 + 0.25 * (s - 5)) for s in range(5, 11)]
+    assert log_figures([*first, *second])["tokens_per_s"] == pytest.approx(4000.0, rel=1e-3)
 
 
 def test_a_partial_last_line_is_skipped():

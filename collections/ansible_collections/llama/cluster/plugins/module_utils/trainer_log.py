@@ -55,10 +55,41 @@ def last_attempt(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]
     return list(records[start:])
 
 
+def _number(record: Mapping[str, Any], key: str) -> float | None:
+    value = record.get(key)
+    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    return None
+
+
+def tokens_per_second(records: Sequence[Mapping[str, Any]]) -> float | None:
+    """The attempt's measured training speed, tokens per second over every rank, or None when
+    its records count no tokens (include_num_input_tokens_seen off).
+
+    LLaMA-Factory logs total_tokens (the Trainer's num_input_tokens_seen, summed over the ranks)
+    and throughput (total_tokens over the seconds since training began) with every record, so
+    each record's time is total_tokens / throughput, to the millisecond where elapsed_time has
+    whole seconds. The speed is taken between the first record and the last: the first step's
+    start-up (workers, allocator, compilation) stays out of it. One record gives its own
+    throughput, start-up included."""
+    counted = ((_number(r, "total_tokens"), _number(r, "throughput")) for r in records)
+    timed = [
+        (tokens, tokens / rate)
+        for tokens, rate in counted
+        if tokens is not None and rate is not None
+    ]
+    if not timed:
+        return None
+    (first_tokens, first_s), (last_tokens, last_s) = timed[0], timed[-1]
+    if last_s > first_s and last_tokens > first_tokens:
+        return (last_tokens - first_tokens) / (last_s - first_s)
+    return last_tokens / last_s
+
+
 def log_figures(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """What the last attempt's records say: last_step, total_steps, final_loss (the last logged
     loss: the closing record has none), elapsed (the trainer's "H:MM:SS" since the attempt
-    began) and records (how many the last attempt wrote)."""
+    began), tokens_per_s (`tokens_per_second`) and records (how many the last attempt wrote)."""
     attempt = last_attempt(records)
     last = attempt[-1] if attempt else {}
     losses = [
@@ -71,6 +102,7 @@ def log_figures(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "total_steps": last.get("total_steps"),
         "final_loss": float(losses[-1]) if losses else None,
         "elapsed": last.get("elapsed_time"),
+        "tokens_per_s": tokens_per_second(attempt),
         "records": len(attempt),
     }
 
