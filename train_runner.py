@@ -12,7 +12,8 @@ results come from Ansible's events and stats, and failures raise typed exception
 failing host, task and message. The code lives in llama_runner/ (api, results, errors, events,
 status, cli); this file is the entry point and re-exports its API.
 
-CLI: python train_runner.py {lab,provision,check,train,status,attach,stop,logs,export,run} --help
+CLI: python train_runner.py {lab,provision,check,train,scaling,status,attach,stop,logs,export,
+     run} --help
 Exit codes: 0 success, 1 a playbook failed, 2 bad input (a validation play, an argument spec or
 the command line rejected it), 3 a host was unreachable, 130 interrupted (Ctrl-C or SIGTERM).
 """

@@ -30,6 +30,7 @@ from llama_runner.results import (
     TrainProgress,
     TrainSummary,
 )
+from llama_runner.scaling import Scaling
 
 __all__ = [
     "DEFAULT_INVENTORY",
@@ -55,6 +56,7 @@ __all__ = [
     "RunResult",
     "RunStatus",
     "RunnerError",
+    "Scaling",
     "TrainProgress",
     "TrainSummary",
 ]

@@ -36,6 +36,7 @@ from llama_runner.results import (
     TrainProgress,
     TrainSummary,
 )
+from llama_runner.scaling import DEFAULT_STEPS, MEASURE_ARGS, Point, Scaling, master_only, pinned
 from llama_runner.secrets import SecretsFile, run_secrets
 from llama_runner.status import parse_status
 
@@ -212,6 +213,65 @@ class Cluster:
             # Without the run id (not seen yet), stop.yml stops the latest run: train.yml
             # refuses to start while another one runs.
             raise self._stop_after_interrupt(interrupted) from interrupted
+
+    def scaling(
+        self,
+        model: str,
+        dataset: str | None = None,
+        *,
+        steps: int = DEFAULT_STEPS,
+        on_event: EventCallback | None = None,
+        on_progress: ProgressCallback | None = None,
+        **overrides: object,
+    ) -> Scaling:
+        """Measure the run's scaling: `steps` optimizer steps of its plan on every node, then the
+        same plan on the master alone; tokens/s of both (llama_runner/scaling.py).
+
+        The go/no-go is lifted for the run on every node (allow_slow_scaling): measuring a
+        cluster predicted to scale backwards is the point. `overrides` are train()'s.
+        """
+        if steps < 2:
+            raise InvalidInput(
+                f"steps must be at least 2 (the speed is taken after the first), not {steps}"
+            )
+        train_args = dict(overrides.pop("train_args", None) or {})  # type: ignore[arg-type]
+        train_args |= MEASURE_ARGS | {"max_steps": steps}
+        overrides.setdefault("allow_slow_scaling", True)
+        with master_only(self.inventory) as (inventory, _master):
+            every = self.train(
+                model,
+                dataset,
+                train_args=train_args,
+                on_event=on_event,
+                on_progress=on_progress,
+                **overrides,
+            )
+            plan = every.summary or TrainSummary(run_id=every.run_id or "")
+            stage, pins = pinned(plan)
+            overrides.pop("deepspeed", None)
+            alone = Cluster(
+                inventory,
+                project_dir=self.project_dir,
+                private_data_dir=self.private_data_dir,
+                keep_artifacts=self.keep_artifacts,
+                verbosity=self.verbosity,
+                quiet=self.quiet,
+                on_event=self.on_event,
+                on_progress=self.on_progress,
+            )
+            one = alone.train(
+                model,
+                dataset,
+                train_args=train_args | pins,
+                on_event=on_event,
+                on_progress=on_progress,
+                **({"deepspeed": stage} if stage else {}),
+                **overrides,
+            )
+        return Scaling(
+            one=Point(1, one.summary or TrainSummary(run_id=one.run_id or "")),
+            every=Point(plan.nnodes or 0, plan),
+        )
 
     def status(
         self, run_id: str | None = None, *, on_event: EventCallback | None = None

@@ -38,6 +38,7 @@ from llama_runner.errors import (
 )
 from llama_runner.events import failure_message
 from llama_runner.results import Event, RunResult, RunStatus, TrainProgress, TrainSummary
+from llama_runner.scaling import DEFAULT_STEPS, Scaling
 from llama_runner.secrets import holds_secret
 
 DESCRIPTION = "llama-cluster's playbooks as commands: a live view of each run, a report at its end."
@@ -214,12 +215,28 @@ def _summary_panel(summary: TrainSummary) -> Panel:
         f"runtime         {_duration(summary.runtime_s)}",
         f"final loss      {summary.final_loss}",
         f"steps           {summary.last_step}",
+        f"tokens/s        {_speed(summary)}",
         f"output dir      {summary.output_dir}",
         f"checkpoints     {', '.join(Path(c).name for c in summary.checkpoints) or '-'}",
         f"on controller   {summary.controller_dir or '-'}",
         f"loss plot       {summary.loss_plot or '-'}",
     ]
     return Panel("\n".join(lines), title="training summary", expand=False)
+
+
+def _speed(summary: TrainSummary) -> str:
+    measured = f"{summary.tokens_per_s:,.0f}" if summary.tokens_per_s else "-"
+    if summary.predicted_tokens_per_s:
+        return f"{measured} (predicted {summary.predicted_tokens_per_s:,.0f})"
+    return measured
+
+
+def _report_scaling(console: Console, scaling: Scaling, *, as_json: bool) -> None:
+    console.print(Panel("\n".join(scaling.lines()), title="scaling, measured", expand=False))
+    if as_json:
+        document = dataclasses.asdict(scaling)
+        document |= {"speedup": scaling.speedup, "efficiency": scaling.efficiency}
+        print(json.dumps(document, default=_json_default, indent=2))
 
 
 def _status_panel(run: RunStatus) -> Panel:
@@ -401,6 +418,17 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--run-id", help="with --resume: the run to continue (default: latest)")
     train.add_argument("--resume", action="store_true", help="resume from the last checkpoint")
     train.add_argument("--detach", action="store_true", help="return once every rank started")
+    scaling = sub.add_parser(
+        "scaling", parents=[extra], help="train the plan on every node, then on one: tokens/s"
+    )
+    scaling.add_argument("--model", required=True, help="catalogue name, e.g. tiny, qwen-7b")
+    scaling.add_argument("--dataset")
+    scaling.add_argument(
+        "--steps",
+        type=int,
+        default=DEFAULT_STEPS,
+        help=f"steps of each run (default {DEFAULT_STEPS})",
+    )
     sub.add_parser("status", parents=[run_id], help="where a run stands")
     sub.add_parser("attach", parents=[run_id], help="follow a (detached) run to its end")
     sub.add_parser("stop", parents=[run_id], help="stop a run on every node")
@@ -411,10 +439,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _dispatch(cluster: Cluster, args: argparse.Namespace) -> RunResult:
+def _dispatch(cluster: Cluster, args: argparse.Namespace) -> RunResult | Scaling:
     extravars = _parse_assignments(getattr(args, "extravars", []))
     extravars |= _read_secrets(getattr(args, "secrets", []), getattr(args, "secrets_files", []))
-    calls: Mapping[str, Callable[[], RunResult]] = {
+    calls: Mapping[str, Callable[[], RunResult | Scaling]] = {
         "lab": lambda: cluster.lab(nodes=args.nodes, state=args.state),
         "provision": lambda: cluster.provision(**extravars),
         "check": lambda: cluster.check(**extravars),
@@ -426,6 +454,7 @@ def _dispatch(cluster: Cluster, args: argparse.Namespace) -> RunResult:
             run_id=args.run_id,
             **extravars,
         ),
+        "scaling": lambda: cluster.scaling(args.model, args.dataset, steps=args.steps, **extravars),
         "status": lambda: cluster.status(args.run_id),
         "attach": lambda: cluster.attach(args.run_id),
         "stop": lambda: cluster.stop(args.run_id),
@@ -472,5 +501,8 @@ def main(argv: list[str] | None = None) -> int:
                 result = _dispatch(cluster, args)
     except RunnerError as exc:
         return _report_error(console, exc)
-    _report_result(console, result, as_json=args.json)
+    if isinstance(result, Scaling):
+        _report_scaling(console, result, as_json=args.json)
+    else:
+        _report_result(console, result, as_json=args.json)
     return EXIT_OK

@@ -24,6 +24,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import train_runner
+from llama_runner.scaling import Point, Scaling, master_only, one_node_inventory, pinned
 from llama_runner.status import parse_status
 from train_runner import (
     DEFAULT_INVENTORY,
@@ -411,6 +412,9 @@ def test_cli_exits_2_on_bad_input(tmp_path: Path):
     assert "does not exist" in missing.stdout
     bad_value = cli("lab", "--nodes", "0")
     assert bad_value.returncode == EXIT_INVALID_INPUT
+    too_short = cli(*runner_dir, "scaling", "--model", "tiny", "--steps", "1")
+    assert too_short.returncode == EXIT_INVALID_INPUT
+    assert "steps must be at least 2" in too_short.stdout
     local = tmp_path / "local.yml"
     local.write_text("all:\n  hosts:\n    localhost:\n      ansible_connection: local\n")
     bad_spec = cli(
@@ -498,6 +502,165 @@ def test_cli_ctrl_c_exits_130(tmp_path: Path, local_inventory: Path):
 
 
 # --------------------------------------------------------------------------------------------
+# scaling: the plan on every node, then on the master alone
+# --------------------------------------------------------------------------------------------
+THREE_NODES = """\
+all:
+  vars:
+    ansible_user: debian
+  children:
+    cluster:
+      vars:
+        nproc_per_node: 1
+      children:
+        master:
+          hosts:
+            node1:
+              ansible_host: 10.0.0.1
+        workers:
+          hosts:
+            node2:
+            node3:
+              ansible_host: 10.0.0.3
+"""
+
+
+def test_one_node_inventory_keeps_the_master_its_groups_and_their_variables():
+    document = yaml.safe_load(THREE_NODES)
+    pruned, master = one_node_inventory(document, "hosts.yml")
+    assert master == "node1"
+    cluster = pruned["all"]["children"]["cluster"]
+    assert cluster["vars"] == {"nproc_per_node": 1}
+    assert cluster["children"]["master"]["hosts"] == {"node1": {"ansible_host": "10.0.0.1"}}
+    assert cluster["children"]["workers"]["hosts"] == {}
+    assert pruned["all"]["vars"] == {"ansible_user": "debian"}
+    assert yaml.safe_load(THREE_NODES) == document  # the user's document is left as it was
+
+
+@pytest.mark.parametrize(
+    ("text", "found"),
+    [
+        ("cluster:\n  hosts: {a: null}\n", "no top-level 'all'"),
+        ("all:\n  children:\n    workers:\n      hosts: {a: null}\n", "found: none"),
+        (
+            "all:\n  children:\n    master:\n      hosts: {a: null, b: null}\n",
+            "found: a, b",
+        ),
+    ],
+)
+def test_one_node_inventory_refuses_an_inventory_without_one_master(text: str, found: str):
+    with pytest.raises(InvalidInput, match=found):
+        one_node_inventory(yaml.safe_load(text), "hosts.yml")
+
+
+def test_the_master_only_copy_loads_in_ansible_with_the_inventorys_group_vars(tmp_path: Path):
+    inventory = tmp_path / "hosts.yml"
+    inventory.write_text(THREE_NODES)
+    (tmp_path / "group_vars").mkdir()
+    (tmp_path / "group_vars" / "workers.yml").write_text("worker_setting: 1\n")
+    (tmp_path / "group_vars" / "cluster.yml").write_text("cluster_setting: 2\n")
+    with master_only(inventory) as (copy, master):
+        assert copy.parent == tmp_path
+        assert copy.name.startswith(".")  # a directory inventory skips it (hidden)
+        listed = subprocess.run(
+            [str(Path(sys.executable).parent / "ansible-inventory"), "-i", str(copy), "--list"],
+            capture_output=True, text=True, check=True, cwd=tmp_path,
+        )  # fmt: skip
+    assert master == "node1"
+    assert not copy.exists()
+    graph = json.loads(listed.stdout)
+    assert graph["master"]["hosts"] == ["node1"]
+    assert "hosts" not in graph.get("workers", {})
+    assert set(graph["_meta"]["hostvars"]) == {"node1"}
+    assert graph["_meta"]["hostvars"]["node1"]["cluster_setting"] == 2
+
+
+def test_master_only_refuses_a_directory_or_a_file_that_is_not_yaml(tmp_path: Path):
+    with pytest.raises(InvalidInput, match="one YAML file"), master_only(tmp_path):
+        pass
+    ini = tmp_path / "hosts.ini"
+    ini.write_text("[master]\nnode1\n")
+    with pytest.raises(InvalidInput, match="one YAML file"), master_only(ini):
+        pass
+
+
+def _summary(nodes: int, tokens_per_s: float | None, **more: object) -> TrainSummary:
+    return TrainSummary(
+        run_id=f"train-{nodes}",
+        world_size=nodes,
+        nnodes=nodes,
+        tokens_per_s=tokens_per_s,
+        deepspeed="zero2",
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=4,
+        gradient_checkpointing=True,
+        torch_compile=False,
+        **more,  # type: ignore[arg-type]
+    )
+
+
+def test_the_one_node_run_pins_the_plan_of_the_run_on_every_node():
+    stage, args = pinned(_summary(3, 900.0))
+    assert stage == "zero2"
+    assert args == {
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 4,
+        "disable_gradient_checkpointing": False,
+        "torch_compile": False,
+    }
+    assert pinned(TrainSummary(run_id="r")) == (None, {})
+
+
+def test_scaling_reports_the_speedup_its_share_of_linear_and_whether_nodes_pay():
+    fast = Scaling(one=Point(1, _summary(1, 1000.0)), every=Point(3, _summary(3, 2400.0)))
+    assert fast.speedup == pytest.approx(2.4)
+    assert fast.efficiency == pytest.approx(0.8)
+    assert fast.pays is True
+    lines = fast.lines()
+    assert lines[0] == "Plan: zero2, micro-batch 2 x accumulation 4 per rank"
+    assert lines[1] == "1 node: 1,000 tokens/s (run train-1, world size 1, - steps, final loss -)"
+    assert lines[-1] == "Scaling: x2.40 on 3 nodes, 80% of linear; adding nodes pays"
+    slow = Scaling(one=Point(1, _summary(1, 1000.0)), every=Point(2, _summary(2, 700.0)))
+    assert slow.pays is False
+    assert slow.lines()[-1].endswith("does not pay: fewer nodes train faster")
+    unknown = Scaling(one=Point(1, _summary(1, None)), every=Point(2, _summary(2, 700.0)))
+    assert (unknown.speedup, unknown.efficiency, unknown.pays) == (None, None, None)
+    assert unknown.lines()[-1] == "Scaling: not measured (a run logged no token counts)"
+
+
+def test_summary_reads_the_measured_speed_and_the_plan_from_the_stats():
+    summary = TrainSummary.from_stats(
+        {
+            "run_id": "r",
+            "tokens_per_s": "1234.5",
+            "predicted_tokens_per_s": 2000,
+            "nnodes": "2",
+            "deepspeed": "none",
+            "per_device_train_batch_size": "4",
+            "gradient_accumulation_steps": 2,
+            "gradient_checkpointing": "True",
+            "torch_compile": False,
+        }
+    )
+    assert (summary.tokens_per_s, summary.predicted_tokens_per_s) == (1234.5, 2000.0)
+    assert pinned(summary) == (
+        "none",
+        {
+            "per_device_train_batch_size": 4,
+            "gradient_accumulation_steps": 2,
+            "disable_gradient_checkpointing": False,
+            "torch_compile": False,
+        },
+    )
+
+
+def test_scaling_refuses_fewer_than_two_steps_before_any_run(cluster: Cluster):
+    with pytest.raises(InvalidInput, match="at least 2"):
+        cluster.scaling("tiny", steps=1)
+    assert not (cluster.private_data_dir / "artifacts").exists()
+
+
+# --------------------------------------------------------------------------------------------
 # The lab: real nodes over SSH
 # --------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
@@ -559,6 +722,27 @@ def test_lab_train_tiny_returns_the_summary(provisioned: Cluster):
     assert summary.loss_plot is None or summary.loss_plot.is_file()
     assert any(e["event"] == "runner_retry" for e in events)
     assert result.progress is not None
+
+
+@pytest.mark.lab
+@needs_train
+def test_lab_scaling_trains_the_plan_on_every_node_then_on_the_master_alone(
+    provisioned: Cluster,
+):
+    nodes = len(lab_hosts())
+    scaling = provisioned.scaling("tiny", steps=8)
+    every, one = scaling.every.summary, scaling.one.summary
+    assert (scaling.every.nodes, every.nnodes, every.world_size) == (nodes, nodes, nodes)
+    assert (scaling.one.nodes, one.nnodes, one.world_size) == (1, 1, 1)
+    assert one.run_id != every.run_id
+    # The same plan: the runs differ in their node count alone.
+    assert pinned(one) == pinned(every)
+    assert one.last_step == every.last_step == 8
+    assert (one.tokens_per_s or 0) > 0
+    assert (every.tokens_per_s or 0) > 0
+    assert scaling.speedup == pytest.approx(every.tokens_per_s / one.tokens_per_s)
+    assert scaling.lines()[-1].startswith(f"Scaling: x{scaling.speedup:.2f} on {nodes} nodes")
+    assert not list(DEFAULT_INVENTORY.parent.glob(".*.one-node.yml"))  # the copy is gone
 
 
 @pytest.mark.lab
