@@ -29,7 +29,7 @@ DEFAULT_STEPS = 30
 MEASURE_ARGS = {
     "logging_steps": 1,
     "save_steps": 1_000_000_000,
-    "include_num_input_tokens_seen": True,
+    "include_num_input_tokens_seen": "non_padding",
 }
 
 
