@@ -258,6 +258,21 @@ def test_the_check_runs_under_limit_without_contacting_a_node(tmp_path: Path):
     assert recap(out)["c"]["failed"] == 1
 
 
+@pytest.mark.parametrize("limit", ["a", "a,b,localhost", "all"])
+def test_train_refuses_any_limit_naming_it_before_contacting_a_node(tmp_path: Path, limit: str):
+    # Under --limit its controller play would be left out and the nodes would fail on a plan
+    # that was never made; any limit is refused, naming it, on a good inventory.
+    rc, out = run(
+        "train.yml", ini(tmp_path, "[master]\na\n[workers]\nb"), "-e", "model=tiny", "-l", limit
+    )
+    text = " ".join(out.split())
+    assert rc != 0
+    assert f"so it cannot run under --limit (got --limit {limit}); nothing was changed" in text
+    assert "python train_runner.py scaling --model M" in text
+    assert "UNREACHABLE" not in out
+    assert "Check the request" not in out  # refused by the first play, before the plan
+
+
 def test_master_and_workers_without_a_cluster_group_are_the_cluster(tmp_path: Path):
     # Issue 13: check.yml "passed" in 0 s on such an inventory, having matched no host. Now it
     # runs on both nodes (which do not exist, hence unreachable).
