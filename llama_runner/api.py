@@ -228,7 +228,9 @@ class Cluster:
         same plan on the master alone; tokens/s of both (llama_runner/scaling.py).
 
         The go/no-go is lifted for the run on every node (allow_slow_scaling): measuring a
-        cluster predicted to scale backwards is the point. `overrides` are train()'s.
+        cluster predicted to scale backwards is the point. Both runs are runs like any other:
+        their output stays on the nodes (runs/<run id>/, the final model included) and their logs
+        come back to runs/<run id>/ here. `overrides` are train()'s.
         """
         if steps < 2:
             raise InvalidInput(
@@ -237,7 +239,7 @@ class Cluster:
         train_args = dict(overrides.pop("train_args", None) or {})  # type: ignore[arg-type]
         train_args |= MEASURE_ARGS | {"max_steps": steps}
         overrides.setdefault("allow_slow_scaling", True)
-        with master_only(self.inventory) as (inventory, _master):
+        with master_only(self.inventory) as (inventory, master):
             every = self.train(
                 model,
                 dataset,
@@ -259,15 +261,26 @@ class Cluster:
                 on_event=self.on_event,
                 on_progress=self.on_progress,
             )
-            one = alone.train(
-                model,
-                dataset,
-                train_args=train_args | pins,
-                on_event=on_event,
-                on_progress=on_progress,
-                **({"deepspeed": stage} if stage else {}),
-                **overrides,
-            )
+            try:
+                one = alone.train(
+                    model,
+                    dataset,
+                    train_args=train_args | pins,
+                    on_event=on_event,
+                    on_progress=on_progress,
+                    **({"deepspeed": stage} if stage else {}),
+                    **overrides,
+                )
+            except InvalidInput as refused:  # the plan of every node refused on one (memory)
+                raise InvalidInput(
+                    f"the plan of the run on every node ({plan.run_id}: {stage}, micro-batch "
+                    f"{plan.per_device_train_batch_size} x accumulation "
+                    f"{plan.gradient_accumulation_steps}) cannot run on {master} alone, so its "
+                    f"scaling cannot be measured against one node: {refused.message}",
+                    host=refused.host,
+                    task=refused.task,
+                    result=refused.result,
+                ) from refused
         return Scaling(
             one=Point(1, one.summary or TrainSummary(run_id=one.run_id or "")),
             every=Point(plan.nnodes or 0, plan),
