@@ -236,7 +236,16 @@ class Cluster:
             raise InvalidInput(
                 f"steps must be at least 2 (the speed is taken after the first), not {steps}"
             )
-        train_args = dict(overrides.pop("train_args", None) or {})  # type: ignore[arg-type]
+        following = sorted({"detach", "resume", "run_id"} & set(overrides))
+        if following:
+            raise InvalidInput(
+                f"scaling starts two new runs and follows both to their end: it takes no "
+                f"{', '.join(following)}"
+            )
+        asked = overrides.pop("train_args", None) or {}
+        if not isinstance(asked, Mapping):
+            raise InvalidInput(f"train_args must be a mapping, not {asked!r}")
+        train_args = dict(asked)
         train_args |= MEASURE_ARGS | {"max_steps": steps}
         overrides.setdefault("allow_slow_scaling", True)
         with master_only(self.inventory) as (inventory, master):

@@ -148,7 +148,7 @@ class Scaling:
     def efficiency(self) -> float | None:
         """The share of linear scaling: speedup over the node count."""
         speedup = self.speedup
-        return speedup / self.every.nodes if speedup is not None else None
+        return speedup / self.every.nodes if speedup is not None and self.every.nodes else None
 
     @property
     def pays(self) -> bool | None:

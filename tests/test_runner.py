@@ -626,6 +626,8 @@ def test_scaling_reports_the_speedup_its_share_of_linear_and_whether_nodes_pay()
     unknown = Scaling(one=Point(1, _summary(1, None)), every=Point(2, _summary(2, 700.0)))
     assert (unknown.speedup, unknown.efficiency, unknown.pays) == (None, None, None)
     assert unknown.lines()[-1] == "Scaling: not measured (a run logged no token counts)"
+    nodeless = Scaling(one=Point(1, _summary(1, 1000.0)), every=Point(0, _summary(0, 700.0)))
+    assert nodeless.efficiency is None  # a summary without its node count: no share of linear
 
 
 def test_summary_reads_the_measured_speed_and_the_plan_from_the_stats():
@@ -654,9 +656,15 @@ def test_summary_reads_the_measured_speed_and_the_plan_from_the_stats():
     )
 
 
-def test_scaling_refuses_fewer_than_two_steps_before_any_run(cluster: Cluster):
+def test_scaling_refuses_fewer_than_two_steps_or_a_run_it_cannot_follow_before_any_run(
+    cluster: Cluster,
+):
     with pytest.raises(InvalidInput, match="at least 2"):
         cluster.scaling("tiny", steps=1)
+    with pytest.raises(InvalidInput, match="it takes no detach, run_id"):
+        cluster.scaling("tiny", detach=True, run_id="r")
+    with pytest.raises(InvalidInput, match="train_args must be a mapping"):
+        cluster.scaling("tiny", train_args=["max_steps=3"])
     assert not (cluster.private_data_dir / "artifacts").exists()
 
 
