@@ -5,8 +5,8 @@
 
 Starts lab containers of its own (the node image, the training stack mounted read-only from
 $LLAMA_CLUSTER_TRAIN_VENV, as molecule's train scenario does), prepares them with
-molecule/shared/prepare.yml and converge.yml, then for each fault starts a watched train.yml of the
-tiny model, injects the fault at step 12 on the last node (or rank 0) and measures
+molecule/shared/prepare.yml and playbooks/wiring.yml, then for each fault starts a watched
+train.yml of the tiny model, injects the fault at step 12 on the last node (or rank 0) and measures
 
     detected: fault -> the master's runner leaves `running` (llama-job status, polled)
     stopped:  fault -> no training process left on any node still up
@@ -99,7 +99,7 @@ class Lab:
         link = self.dir / "group_vars"
         if not link.exists():
             link.symlink_to(ROOT / "molecule" / "shared" / "group_vars")
-        for playbook in ("molecule/shared/prepare.yml", "molecule/train/converge.yml"):
+        for playbook in ("molecule/shared/prepare.yml", "playbooks/wiring.yml"):
             done = self.play(playbook)
             if done.returncode != 0:
                 sys.exit(f"{playbook} failed:\n{done.stdout[-3000:]}")
