@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from ansible_collections.llama.cluster.plugins.module_utils import model_stage as stage
+from ansible_collections.llama.cluster.plugins.module_utils.planner import model as stage
 from ansible_collections.llama.cluster.plugins.modules import llama_model_progress as progress
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,7 +22,7 @@ from typing import ClassVar
 
 import pytest
 from ansible_collections.llama.cluster.plugins.action import run_plan as action
-from ansible_collections.llama.cluster.plugins.module_utils.model_stage import (
+from ansible_collections.llama.cluster.plugins.module_utils.planner.model import (
     model_stage_token_policy,
 )
 
@@ -96,7 +96,7 @@ def test_an_unknown_dataset_or_format_is_refused_with_what_is_known() -> None:
 def test_the_hugging_face_token_goes_to_huggingface_co_only_unless_allowed(
     hub: str, endpoint: str, to_any: bool, sent: bool
 ) -> None:
-    # The action and the nodes' token files follow the one policy (module_utils/model_stage.py).
+    # The action and the nodes' token files follow the one policy (module_utils/planner/model.py).
     assert model_stage_token_policy(hub, endpoint, True, to_any)["send"] is sent
 
 

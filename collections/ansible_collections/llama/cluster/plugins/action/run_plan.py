@@ -22,13 +22,13 @@ from ansible.module_utils.urls import ConnectionError as UrlConnectionError
 from ansible.module_utils.urls import open_url
 from ansible.plugins.action import ActionBase
 from ansible_collections.llama.cluster.plugins.filter.cluster import cluster_ranks, node_nproc
-from ansible_collections.llama.cluster.plugins.module_utils.model_stage import (
+from ansible_collections.llama.cluster.plugins.module_utils.planner.assembly import assemble
+from ansible_collections.llama.cluster.plugins.module_utils.planner.model import (
     TOKEN_VARIABLE,
     model_stage_probe,
     model_stage_source,
     model_stage_token_policy,
 )
-from ansible_collections.llama.cluster.plugins.module_utils.planner.assembly import assemble
 from ansible_collections.llama.cluster.plugins.module_utils.planner.nodes import (
     cluster_accelerator,
     describe_nodes,

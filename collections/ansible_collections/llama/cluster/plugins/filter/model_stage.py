@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ansible_collections.llama.cluster.plugins.module_utils.model_stage import (
+from ansible_collections.llama.cluster.plugins.module_utils.planner.model import (
     model_stage_token_policy,
 )
 

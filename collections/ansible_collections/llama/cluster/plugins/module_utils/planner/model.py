@@ -1,11 +1,26 @@
-"""The model: its catalogue entry, the user's overrides, and its size and shape read from
-config.json (`resolve_model`, `model_params`).
+"""The model: its catalogue entry, the user's overrides, its size and shape read from
+config.json (`resolve_model`, `model_params`), and where it comes from and lives on every node
+(`model_stage_source`, `model_stage_probe`, `model_stage_token_policy`).
+
+Where it comes from: `model_stage_source` turns a catalogue entry (plus the run's overrides) into
+a staging request: a hub id to download on every node, a directory of the controller to copy to
+every node, or a directory on shared storage to use where it is. `model_stage_token_policy` says
+whether the Hugging Face token may go to the endpoint (huggingface.co only, unless the user
+trusts a mirror with hf_token_to_endpoint). `model_stage_probe` reads the controller's answer
+from the hub (config.json) and pins the request to the commit the hub answered with, or says why
+the model cannot be had. Both return an `error` instead of raising, so that the plan fails with
+that sentence before any node changes (the run_plan action calls them; roles/model_stage stages
+the request).
 """
 
 from __future__ import annotations
 
+import json
+import posixpath
+import re
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import quote, urlsplit
 
 from .errors import CATALOGUE_FILE, PlanError
 from .schema import FINETUNING_TYPES, show
@@ -153,3 +168,289 @@ def resolve_model(request: Mapping[str, Any]) -> dict[str, Any]:
     model["params_source"] = source
     model["shape"] = model_shape(config) if config else None
     return model
+
+
+# -- Where the model comes from and where it lives on every node.
+
+HUBS = ("huggingface", "modelscope")
+DEFAULT_REVISION = {"huggingface": "main", "modelscope": "master"}
+REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")
+COMMIT = re.compile(r"^[0-9a-f]{40}$")
+# Names the staging role keeps for itself inside the models directory.
+RESERVED = ("hub",)
+TOKEN_VARIABLE = {"huggingface": "hf_token", "modelscope": "modelscope_token"}
+# Hosts of the Hugging Face Hub itself: the only ones that get hf_token unless trusted.
+HF_HOSTS = ("huggingface.co", "hf.co")
+
+
+def _flag(value: object) -> bool:
+    """A YAML or command-line boolean (-e model_shared=true arrives as a string)."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
+
+
+def _safe(name: str) -> str:
+    """A repo id or revision as one path component (Qwen/Qwen3-8B -> Qwen--Qwen3-8B)."""
+    return name.replace("/", "--")
+
+
+def _failed(request: dict[str, Any], message: str) -> dict[str, Any]:
+    """The request, refused with a sentence that names the model."""
+    return {**request, "error": f"Model {request['name']}: {message}"}
+
+
+def _official_hf_host(endpoint: str) -> bool:
+    """Whether an endpoint is the Hugging Face Hub itself, over HTTPS."""
+    try:
+        parts = urlsplit(endpoint.strip())
+        host = (parts.hostname or "").lower().rstrip(".")
+    except ValueError:
+        return False
+    official = any(host == name or host.endswith("." + name) for name in HF_HOSTS)
+    return parts.scheme == "https" and official
+
+
+def model_stage_token_policy(
+    hub: str, endpoint: str, token_given: object, to_endpoint: object = False
+) -> dict[str, Any]:
+    """Whether the hub token goes to `endpoint`: {'send': bool, 'note': why it does not}.
+
+    The Hugging Face token goes to https://huggingface.co (and its subdomains) only: a
+    third-party mirror (hf_endpoint=https://hf-mirror.com) would receive the key to the user's
+    account with every request. `to_endpoint` (hf_token_to_endpoint) is the user saying they
+    trust that endpoint with it. ModelScope's token goes to its endpoint as before.
+    """
+    if not _flag(token_given):
+        return {"send": False, "note": ""}
+    if hub != "huggingface" or _official_hf_host(endpoint) or _flag(to_endpoint):
+        return {"send": True, "note": ""}
+    note = (
+        f"hf_token is set but not sent to {endpoint}, which is not https://huggingface.co: set "
+        "hf_token_to_endpoint=true if you trust that endpoint with your Hugging Face token."
+    )
+    return {"send": False, "note": note}
+
+
+def model_stage_source(
+    entry: Mapping[str, Any],
+    name: str,
+    settings: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The staging request for one model.
+
+    entry: the catalogue entry with the run's overrides (path, and optionally hub, revision,
+    shared, generated, modelscope_path). settings: hub (the default hub), hub_dir (the node
+    cache of hub downloads), models_dir (where controller directories are copied to),
+    generated_dir (the controller directory of a generated model), endpoints (per hub).
+    """
+    path = str(entry.get("path") or "").strip()
+    request: dict[str, Any] = {"name": name, "error": "", "generated": False}
+    if _flag(entry.get("generated", False)):
+        return _local(request, str(settings["generated_dir"]), settings, generated=True)
+    if not path:
+        return _failed(request, "no path (give a hub id or a directory with -e model_path=...).")
+    shared = _flag(entry.get("shared", False))
+    if path.startswith(("/", "~")):
+        if shared:
+            return _shared(request, path)
+        return _local(request, path, settings, generated=False)
+    if shared:
+        return _failed(
+            request,
+            f"model_shared is set but {path} is not a directory: shared storage needs the "
+            "absolute path of the model on every node.",
+        )
+    return _hub(request, entry, path, settings)
+
+
+def _shared(request: dict[str, Any], path: str) -> dict[str, Any]:
+    """A directory on storage every node mounts at the same path: used where it is."""
+    if not path.startswith("/"):
+        return _failed(
+            request,
+            f"{path} is on shared storage, so it must be an absolute path that every node "
+            "reads alike (~ differs between accounts).",
+        )
+    path = path.rstrip("/") or "/"
+    summary = f"{path} on shared storage, used where it is on every node"
+    return {**request, "kind": "shared", "source": path, "path": path, "summary": summary}
+
+
+def _local(
+    request: dict[str, Any], path: str, settings: Mapping[str, Any], generated: bool
+) -> dict[str, Any]:
+    """A directory of the controller: copied into the models directory of every node."""
+    source = posixpath.expanduser(path).rstrip("/")
+    base = posixpath.basename(source)
+    if not base or base.startswith(".") or base in RESERVED:
+        return _failed(
+            request,
+            f"the directory {path} cannot be copied under {settings['models_dir']}: name it "
+            f"something other than {', '.join(RESERVED)} or a name starting with '.'.",
+        )
+    target = posixpath.join(settings["models_dir"], base)
+    made = "generated on the controller" if generated else "the controller's"
+    return {
+        **request,
+        "kind": "controller",
+        "generated": generated,
+        "source": source,
+        "path": target,
+        "summary": f"{source} ({made}), copied to {target} on every node that lacks it",
+    }
+
+
+def _hub(
+    request: dict[str, Any], entry: Mapping[str, Any], path: str, settings: Mapping[str, Any]
+) -> dict[str, Any]:
+    """A hub id: downloaded once into the hub cache of every node."""
+    hub = str(entry.get("hub") or settings["hub"]).strip()
+    if hub not in HUBS:
+        return _failed(request, f"unknown hub {hub!r}: use model_hub=huggingface or modelscope.")
+    repo = str(entry.get("modelscope_path") or path) if hub == "modelscope" else path
+    revision = str(entry.get("revision") or DEFAULT_REVISION[hub])
+    endpoint = str(settings["endpoints"][hub]).rstrip("/")
+    problem = _hub_problem(hub, repo, revision, endpoint)
+    if problem:
+        return _failed(request, problem)
+    quoted = quote(revision, safe="")
+    if hub == "huggingface":
+        probe_url = f"{endpoint}/{repo}/resolve/{quoted}/config.json"
+    else:
+        probe_url = f"{endpoint}/api/v1/models/{repo}/repo?Revision={quoted}&FilePath=config.json"
+    return {
+        **request,
+        "kind": "hub",
+        "hub": hub,
+        "repo": repo,
+        "revision": revision,
+        "commit": "",
+        "endpoint": endpoint,
+        "probe_url": probe_url,
+        "source": repo,
+        "path": posixpath.join(settings["hub_dir"], hub, _safe(repo), _safe(revision)),
+    }
+
+
+def _hub_problem(hub: str, repo: str, revision: str, endpoint: str) -> str:
+    """What is wrong with a hub request, or "" when nothing is."""
+    variable = "hf_endpoint" if hub == "huggingface" else "modelscope_endpoint"
+    rules = [
+        (
+            not REPO_ID.match(repo),
+            f"{repo!r} is neither a hub id (namespace/name, e.g. Qwen/Qwen2.5-7B-Instruct) nor "
+            "an absolute path to a directory on the controller.",
+        ),
+        (
+            not REVISION.match(revision) or ".." in revision,
+            f"revision {revision!r} is not a branch, tag or commit name.",
+        ),
+        (
+            not re.match(r"^https?://[^/\s]+", endpoint),
+            f"{variable}={endpoint!r} is not an http(s) URL (e.g. https://hf-mirror.com).",
+        ),
+    ]
+    return next((message for broken, message in rules if broken), "")
+
+
+def _reason(msg: str) -> str:
+    """The cause in an error of ansible.builtin.uri, without its preamble."""
+    found = re.search(r"Request failed: (.*)", msg or "")
+    reason = (found.group(1) if found else msg or "no answer").strip()
+    return re.sub(r"^<urlopen error (.*)>$", r"\1", reason)
+
+
+def _private_hint(token: str, token_given: bool, withheld: str) -> str:
+    """How to reach a model that may be private, after "Check the id"."""
+    if token_given:
+        return "."
+    if withheld:
+        return f"; if it is private, {withheld}"
+    return f", or give {token} if the model is private."
+
+
+def _refusal(
+    request: Mapping[str, Any], answer: Mapping[str, Any], token_given: bool, withheld: str
+) -> str:
+    """Why the hub did not hand out config.json, or "" when it did (HTTP 200)."""
+    hub, repo, revision = request["hub"], request["repo"], request["revision"]
+    token = TOKEN_VARIABLE[hub]
+    variable = "hf_endpoint" if hub == "huggingface" else "modelscope_endpoint"
+    status = int(answer.get("status") or -1)
+    code = str(answer.get("x_error_code") or "")
+    content = str(answer.get("content") or "")
+    denied = code == "GatedRepo" or (status in (401, 403) and code != "RepoNotFound")
+    rules = [
+        (
+            status <= 0,
+            f"the endpoint is unreachable from the controller ({_reason(answer.get('msg', ''))}). "
+            f"Check {variable} (a mirror, e.g. -e hf_endpoint=https://hf-mirror.com), the proxy "
+            "settings and the network.",
+        ),
+        (
+            code == "RevisionNotFound" or (status == 404 and "revision" in content.lower()),
+            f"the hub has no revision {revision} of this model.",
+        ),
+        (
+            denied and token_given,
+            f"the token ({token}) was refused (HTTP {status}): accept the model's licence on its "
+            "page with the account the token belongs to, and check the token.",
+        ),
+        (denied and bool(withheld), f"the model is gated or private (HTTP {status}); {withheld}"),
+        (
+            denied,
+            f"the model is gated or private (HTTP {status}): give a token with access, e.g. "
+            f"-e {token}=... or {token} in an ansible-vault file.",
+        ),
+        (code == "EntryNotFound", "the model has no config.json: it is not a transformers model."),
+        (
+            status == 404 or code == "RepoNotFound",
+            f"the hub has no model {repo} (HTTP {status}). Check the id"
+            + _private_hint(token, token_given, withheld),
+        ),
+        (status != 200, f"the hub answered HTTP {status} for {request['probe_url']}."),
+    ]
+    return next((message for matched, message in rules if matched), "")
+
+
+def model_stage_probe(
+    request: Mapping[str, Any],
+    answer: Mapping[str, Any],
+    token_given: bool,
+    hub_dir: str,
+    withheld: str = "",
+) -> dict[str, Any]:
+    """The request pinned to the hub's commit, with the model's config; or the reason it failed.
+
+    answer: the registered result of ansible.builtin.uri (status, msg, content, and the
+    response headers as lower-case keys with '_' for '-'). token_given: a token was sent;
+    withheld: model_stage_token_policy's note when one was set but not sent.
+    """
+    where = f"{request['repo']}, revision {request['revision']}, at {request['endpoint']}"
+    refused = dict(request, config={})
+
+    def fail(message: str) -> dict[str, Any]:
+        return _failed(refused, f"({where}) {message} Nothing was changed on any node.")
+
+    message = _refusal(request, answer, token_given, withheld)
+    if message:
+        return fail(message)
+    try:
+        config = json.loads(str(answer.get("content") or ""))
+    except ValueError:
+        return fail("config.json is not JSON (is the endpoint a model hub?).")
+    if not isinstance(config, dict) or config.get("Success") is False:  # ModelScope's refusal
+        return fail(f"config.json is not a model configuration: {str(config)[:200]}.")
+    commit = str(answer.get("x_repo_commit") or "")
+    pinned = {**request, "config": config, "error": ""}
+    if COMMIT.match(commit):
+        pinned["commit"] = commit
+        pinned["path"] = posixpath.join(hub_dir, request["hub"], _safe(request["repo"]), commit)
+    pinned["summary"] = (
+        f"{request['repo']} from {request['endpoint']} ({request['hub']}), revision "
+        f"{request['revision']}{(' = commit ' + commit[:12]) if pinned['commit'] else ''}, "
+        f"downloaded once into {pinned['path']} on every node that lacks it"
+    )
+    return pinned
