@@ -260,18 +260,11 @@ class Cluster:
             plan = every.summary or TrainSummary(run_id=every.run_id or "")
             stage, pins = pinned(plan)
             overrides.pop("deepspeed", None)
-            alone = Cluster(
-                inventory,
-                project_dir=self.project_dir,
-                private_data_dir=self.private_data_dir,
-                keep_artifacts=self.keep_artifacts,
-                verbosity=self.verbosity,
-                quiet=self.quiet,
-                on_event=self.on_event,
-                on_progress=self.on_progress,
-            )
+            # The one-node run is this Cluster's own run on the master-only inventory, so that
+            # cancel(), current_run_id and one-run-at-a-time reach it like any other run.
+            self.inventory, every_node = inventory, self.inventory
             try:
-                one = alone.train(
+                one = self.train(
                     model,
                     dataset,
                     train_args=train_args | pins,
@@ -290,6 +283,8 @@ class Cluster:
                     task=refused.task,
                     result=refused.result,
                 ) from refused
+            finally:
+                self.inventory = every_node
         return Scaling(
             one=Point(1, one.summary or TrainSummary(run_id=one.run_id or "")),
             every=Point(plan.nnodes or 0, plan),

@@ -24,7 +24,15 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import train_runner
-from llama_runner.scaling import Point, Scaling, master_only, one_node_inventory, pinned
+from llama_runner.results import RunResult
+from llama_runner.scaling import (
+    MEASURE_ARGS,
+    Point,
+    Scaling,
+    master_only,
+    one_node_inventory,
+    pinned,
+)
 from llama_runner.status import parse_status
 from train_runner import (
     DEFAULT_INVENTORY,
@@ -666,6 +674,63 @@ def test_scaling_refuses_fewer_than_two_steps_or_a_run_it_cannot_follow_before_a
     with pytest.raises(InvalidInput, match="train_args must be a mapping"):
         cluster.scaling("tiny", train_args=["max_steps=3"])
     assert not (cluster.private_data_dir / "artifacts").exists()
+
+
+def test_scaling_runs_the_pinned_plan_on_this_cluster_with_the_master_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Cluster.scaling's own steps, with train() replaced: the real runs are the lab test's
+    (test_lab_scaling_...); the refusal of a plan that the master cannot hold alone needs GPU
+    memory, which the CPU lab does not plan."""
+    inventory = tmp_path / "hosts.yml"
+    inventory.write_text(THREE_NODES)
+    cluster = Cluster(inventory, private_data_dir=tmp_path / "runner")
+    calls: list[dict] = []
+
+    def train(self: Cluster, model: str, dataset: str | None = None, **kw: object) -> RunResult:
+        groups = yaml.safe_load(self.inventory.read_text())["all"]["children"]["cluster"]
+        calls.append({"inventory": self.inventory, "groups": groups, **kw})
+        nodes = 3 if len(calls) == 1 else 1
+        if refuse and len(calls) == 2:
+            raise InvalidInput("it needs 90.0 GiB of GPU memory, node1 has 80.0", host="node1")
+        return RunResult(
+            playbook="train.yml", ident=str(len(calls)), status="successful", rc=0, hosts={},
+            artifact_dir=tmp_path, summary=_summary(nodes, 1000.0 * nodes ** 0.5),
+        )  # fmt: skip
+
+    monkeypatch.setattr(Cluster, "train", train)
+    refuse = False
+    scaling = cluster.scaling("tiny", steps=5, train_args={"learning_rate": 1e-4})
+    every, one = calls
+    assert every["inventory"] == inventory
+    assert every["allow_slow_scaling"] is True
+    assert "deepspeed" not in every
+    assert one["inventory"].parent == tmp_path
+    assert one["inventory"].name.startswith(".")
+    assert one["groups"]["children"]["workers"]["hosts"] == {}
+    assert one["deepspeed"] == "zero2"
+    assert one["train_args"] == {
+        "learning_rate": 1e-4,
+        **MEASURE_ARGS,
+        "max_steps": 5,
+        **pinned(_summary(3, None))[1],
+    }
+    assert cluster.inventory == inventory
+    assert not one["inventory"].exists()
+    assert scaling.speedup == pytest.approx(3**0.5)
+
+    calls.clear()
+    refuse = True
+    with pytest.raises(InvalidInput) as refused:
+        cluster.scaling("tiny", steps=5)
+    assert refused.value.message.startswith(
+        "the plan of the run on every node (train-3: zero2, micro-batch 2 x accumulation 4) "
+        "cannot run on node1 alone, so its scaling cannot be measured against one node: "
+        "it needs 90.0 GiB"
+    )
+    assert refused.value.host == "node1"
+    assert cluster.inventory == inventory
+    assert not calls[1]["inventory"].exists()
 
 
 # --------------------------------------------------------------------------------------------
