@@ -144,7 +144,7 @@ def torchrun(nodes: int, script: str, args: list[str], env: dict[str, str], time
         raise SystemExit("\n".join(failed))
 
 
-def measure_link(nodes: int) -> dict[str, Any]:
+def measure_link(work: Path, nodes: int) -> dict[str, Any]:
     """check.yml's gloo all-reduce over the nodes (rank 0 writes its JSON line)."""
     torchrun(
         nodes,
@@ -153,7 +153,7 @@ def measure_link(nodes: int) -> dict[str, Any]:
         {},
         timeout=300,
     )
-    return json.loads((WORK / "out" / node(0) / "allreduce.json").read_text())
+    return json.loads((work / "out" / node(0) / "allreduce.json").read_text())
 
 
 def deepspeed_config(stage: str) -> dict[str, Any]:
@@ -240,11 +240,14 @@ def train_config(plan: Plan, steps: int, cutoff: int) -> dict[str, Any]:
     return config
 
 
-def train(plan: Plan, nodes: int, steps: int, warmup: int, cutoff: int) -> dict[str, Any]:
-    """One run of the plan on the first `nodes` nodes; rank 0's timing window."""
+def train(
+    work: Path, plan: Plan, nodes: int, *, steps: int, warmup: int, cutoff: int
+) -> dict[str, Any]:
+    """One run of the plan on the first `nodes` nodes (its config in `work`); rank 0's timing
+    window."""
     name = f"{plan.stage}-{plan.accumulation}.yaml"
-    (WORK / name).write_text(yaml.safe_dump(train_config(plan, steps, cutoff)))
-    result = WORK / "out" / node(0) / "bench" / "rank0.json"
+    (work / name).write_text(yaml.safe_dump(train_config(plan, steps, cutoff)))
+    result = work / "out" / node(0) / "bench" / "rank0.json"
     result.unlink(missing_ok=True)
     env = {
         "BENCH_OUT": "/out/bench",
@@ -354,10 +357,12 @@ def measure_group(
 ) -> list[dict[str, Any]]:
     """Every plan on `nodes` nodes over a link limited to `mbit`: the measured step times."""
     limit(args.max_nodes, mbit)
-    measured = measure_link(nodes)
+    measured = measure_link(args.work, nodes)
     group = []
     for plan in plans:
-        run = train(plan, nodes, args.steps, args.warmup, args.cutoff)
+        run = train(
+            args.work, plan, nodes, steps=args.steps, warmup=args.warmup, cutoff=args.cutoff
+        )
         row = {
             "nodes": nodes,
             "mbit": mbit,
@@ -412,7 +417,6 @@ def table(rows: list[dict[str, Any]], command: str) -> str:
 
 
 def main() -> None:
-    global WORK  # noqa: PLW0603 - one work directory per invocation
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", default="2,3")
     parser.add_argument("--rates", default="1000,100", help="Mbit/s each node may send")
@@ -430,19 +434,20 @@ def main() -> None:
     if args.table_from:
         report(json.loads(args.table_from.read_text()), args.results)
         return
-    WORK = args.work
-    WORK.mkdir(parents=True, exist_ok=True)
+    args.work.mkdir(parents=True, exist_ok=True)
     counts = [int(n) for n in args.nodes.split(",")]
     rates = [int(r) for r in args.rates.split(",")]
     plans = [Plan.parse(p) for p in args.plans.split(",")]
     args.max_nodes = max(counts)
-    shape = prepare(WORK, args.hidden, 400)
-    start_nodes(args.max_nodes, args.cpus, WORK)
+    shape = prepare(args.work, args.hidden, 400)
+    start_nodes(args.max_nodes, args.cpus, args.work)
     rows: list[dict[str, Any]] = []
     try:
         one = {}
         for plan in plans:
-            run = train(plan, 1, args.steps, args.warmup, args.cutoff)
+            run = train(
+                args.work, plan, 1, steps=args.steps, warmup=args.warmup, cutoff=args.cutoff
+            )
             one[plan.label] = {"stage": plan.stage, "accumulation": plan.accumulation, **run}
             print(f"1 node, {plan.label}: {run['step_s']:.2f} s/step", flush=True)
         for nodes in counts:
@@ -466,8 +471,6 @@ def report(results: dict[str, Any], directory: Path) -> None:
     (directory / "links.md").write_text(text)
     print(text)
 
-
-WORK = Path("/tmp/links-bench")
 
 if __name__ == "__main__":
     main()
