@@ -19,6 +19,7 @@ from typing import Any
 
 from ansible_runner.interface import init_runner
 
+from llama_runner.collection import find_project_dir
 from llama_runner.errors import InvalidInput, PlaybookFailed, RunInterrupted, RunnerError
 from llama_runner.events import (
     Canceller,
@@ -39,23 +40,6 @@ from llama_runner.results import (
 from llama_runner.scaling import DEFAULT_STEPS, MEASURE_ARGS, Point, Scaling, master_only, pinned
 from llama_runner.secrets import SecretsFile, run_secrets
 from llama_runner.status import parse_status
-
-
-def find_project_dir() -> Path:
-    """The llama-cluster checkout to drive: $LLAMA_CLUSTER_DIR, else the tree this package sits in
-    (a checkout, or `pip install -e .`), else the current directory or the nearest one above it
-    that holds train.yml and ansible.cfg (the `llama-cluster` command of `pip install .`, run
-    inside a checkout). Where none is found, the current directory (Cluster says what is missing).
-    """
-    given = os.environ.get("LLAMA_CLUSTER_DIR")
-    if given:
-        return Path(given).expanduser().resolve()
-    here = Path.cwd().resolve()
-    for candidate in (Path(__file__).resolve().parents[1], here, *here.parents):
-        if (candidate / "train.yml").is_file() and (candidate / "ansible.cfg").is_file():
-            return candidate
-    return here
-
 
 PROJECT_DIR = find_project_dir()
 DEFAULT_INVENTORY = PROJECT_DIR / "inventory" / "lab.yml"

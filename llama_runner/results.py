@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llama_runner import trainer_log
-from llama_runner.protocol import protocol
+from llama_runner.collection import protocol, trainer_log
 
 Event = dict[str, Any]
 
@@ -209,7 +208,7 @@ class TrainSummary:
         plot = directory / "training_loss.png"
         text = log_file.read_text(encoding="utf-8") if log_file.is_file() else ""
         # The last attempt's records: after a restart the steps since the checkpoint are twice.
-        figures = trainer_log.log_figures(trainer_log.parse_records(text))
+        figures = trainer_log().log_figures(trainer_log().parse_records(text))
         results = (
             json_object(results_file.read_text(encoding="utf-8")) if results_file.is_file() else {}
         )

@@ -13,7 +13,7 @@ with `state` one of results.RUN_STATES; a single run's mapping (without `runs`) 
 run, and roles/job's own shape of a run (`phase`, `progress`, `nodes`, and for an ended run
 `summary`, the filter job_run_summary's: from_job_outcome) too.
 FIELDS maps each RunStatus field to the key status.yml uses for it; the run's state is the
-protocol's (llama_runner.protocol: run_state of a job's phase).
+protocol's (llama_runner.collection.protocol: run_state of a job's phase).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from llama_runner.protocol import protocol
+from llama_runner.collection import protocol
 from llama_runner.results import (
     Event,
     RunStatus,

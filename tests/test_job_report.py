@@ -35,7 +35,7 @@ from ansible_collections.llama.cluster.plugins.modules.llama_job import trainer_
 
 import llama_runner
 from llama_runner import results, status
-from llama_runner.protocol import protocol as runner_protocol
+from llama_runner.collection import protocol as runner_protocol
 from tests.test_llama_job import TOOL
 
 REASON = {
