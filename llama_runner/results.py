@@ -208,7 +208,8 @@ class TrainSummary:
         plot = directory / "training_loss.png"
         text = log_file.read_text(encoding="utf-8") if log_file.is_file() else ""
         # The last attempt's records: after a restart the steps since the checkpoint are twice.
-        figures = trainer_log().log_figures(trainer_log().parse_records(text))
+        log = trainer_log()
+        figures = log.log_figures(log.parse_records(text))
         results = (
             json_object(results_file.read_text(encoding="utf-8")) if results_file.is_file() else {}
         )

@@ -12,13 +12,7 @@ from typing import Any
 
 from ansible.errors import AnsibleFilterError
 from ansible_collections.llama.cluster.plugins.module_utils.driver import driver_action
-
-
-def _flag(value: object) -> bool:
-    """A boolean as -e gives it (a string) or as YAML does."""
-    if isinstance(value, str):
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    return bool(value)
+from ansible_collections.llama.cluster.plugins.module_utils.planner.schema import as_flag
 
 
 def nvidia_driver_action(facts: Mapping[str, Any], **options: Any) -> dict[str, Any]:  # noqa: ANN401
@@ -26,7 +20,7 @@ def nvidia_driver_action(facts: Mapping[str, Any], **options: Any) -> dict[str, 
     host = str(options.get("host", "this node"))
     for flag in ("allow_reboot", "controller", "mok_enrolled"):
         if flag in options:
-            options[flag] = _flag(options[flag])
+            options[flag] = as_flag(options[flag])
     if "inventory" in options:
         options["inventory"] = [str(source) for source in options["inventory"] or []]
     try:

@@ -20,6 +20,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ansible_collections.llama.cluster.plugins.module_utils.planner.schema import as_flag
+
 try:  # Ansible turns a filter error into the task's failure message.
     from ansible.errors import AnsibleFilterError as _BaseError
 except ImportError:  # pragma: no cover - usable without Ansible
@@ -34,13 +36,6 @@ SOURCE_RE = re.compile(r"^(any|[0-9a-fA-F.:]+(/[0-9]{1,3})?)$")
 
 class ServeError(_BaseError):
     """A request that cannot be served, with what to change."""
-
-
-def as_flag(value: object) -> bool:
-    """A boolean as Ansible's -e gives it (a string) or as YAML does."""
-    if isinstance(value, str):
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    return bool(value)
 
 
 def _port(value: object) -> int | None:

@@ -23,7 +23,7 @@ from typing import Any
 from urllib.parse import quote, urlsplit
 
 from .errors import CATALOGUE_FILE, PlanError
-from .schema import FINETUNING_TYPES, show
+from .schema import FINETUNING_TYPES, as_flag, show
 
 # What the memory model needs from a config.json (or a catalogue entry's `config`).
 SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
@@ -184,13 +184,6 @@ TOKEN_VARIABLE = {"huggingface": "hf_token", "modelscope": "modelscope_token"}
 HF_HOSTS = ("huggingface.co", "hf.co")
 
 
-def _flag(value: object) -> bool:
-    """A YAML or command-line boolean (-e model_shared=true arrives as a string)."""
-    if isinstance(value, str):
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    return bool(value)
-
-
 def _safe(name: str) -> str:
     """A repo id or revision as one path component (Qwen/Qwen3-8B -> Qwen--Qwen3-8B)."""
     return name.replace("/", "--")
@@ -222,9 +215,9 @@ def model_stage_token_policy(
     account with every request. `to_endpoint` (hf_token_to_endpoint) is the user saying they
     trust that endpoint with it. ModelScope's token goes to its endpoint as before.
     """
-    if not _flag(token_given):
+    if not as_flag(token_given):
         return {"send": False, "note": ""}
-    if hub != "huggingface" or _official_hf_host(endpoint) or _flag(to_endpoint):
+    if hub != "huggingface" or _official_hf_host(endpoint) or as_flag(to_endpoint):
         return {"send": True, "note": ""}
     note = (
         f"hf_token is set but not sent to {endpoint}, which is not https://huggingface.co: set "
@@ -247,11 +240,11 @@ def model_stage_source(
     """
     path = str(entry.get("path") or "").strip()
     request: dict[str, Any] = {"name": name, "error": "", "generated": False}
-    if _flag(entry.get("generated", False)):
+    if as_flag(entry.get("generated", False)):
         return _local(request, str(settings["generated_dir"]), settings, generated=True)
     if not path:
         return _failed(request, "no path (give a hub id or a directory with -e model_path=...).")
-    shared = _flag(entry.get("shared", False))
+    shared = as_flag(entry.get("shared", False))
     if path.startswith(("/", "~")):
         if shared:
             return _shared(request, path)

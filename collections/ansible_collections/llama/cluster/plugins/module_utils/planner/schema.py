@@ -79,6 +79,14 @@ class Flag:
         raise ValueError
 
 
+def as_flag(value: object) -> bool:
+    """A setting's boolean as YAML gives it, or as -e does (a string: "1", "true", "yes", "on"
+    are true). Lenient, for the project's own settings; a user's request is checked by Flag."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
+
+
 def _num(value: float) -> str:
     return str(int(value)) if value == int(value) else str(value)
 
