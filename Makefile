@@ -12,7 +12,7 @@ export LLAMA_CLUSTER_CACHE ?= $(HOME)/.cache/llama-cluster
 export LLAMA_CLUSTER_TRAIN_VENV ?= $(LLAMA_CLUSTER_CACHE)/venv-train
 export LLAMA_CLUSTER_TRAIN_PYTHON ?= $(LLAMA_CLUSTER_TRAIN_VENV)/bin/python
 
-.PHONY: host setup test-env lab lab-down provision train demo lint test test-fast
+.PHONY: host setup test-env lab lab-down provision train demo lint test test-fast test-host test-lab
 
 host:                 ## this machine: Docker daemon, debootstrap, rsync (installed and started as root)
 	@scripts/bootstrap-host.sh
@@ -60,18 +60,29 @@ test-fast: test-env   ## lint + pytest without molecule scenarios
 
 # pytest on PYTEST_WORKERS workers (pytest-xdist): the lab's tests are one group and each molecule
 # scenario another, each run whole by one worker, the longest first (tests/conftest.py); the other
-# tests spread over the workers. 3: the train scenario, the lab's tests and everything else side
-# by side; most of the first two is waiting on containers (CONTRIBUTING.md, "Tests and CI's time").
-# Default 1 (one process, the files' order): on 2 cores, 3 workers took 65 min against 46 for one
-# process (2026-12-02 rehearsal: molecule train 3,749 s beside the others, 1,265 s alone).
-PYTEST_WORKERS ?= 1
+# tests spread over the workers. 2 (the default): the train scenario on one worker, the lab's
+# tests, the other scenarios and the unit tests on the other; 1: one process, the files' order
+# (CONTRIBUTING.md, "Tests and CI's time", has the figures of both).
+PYTEST_WORKERS ?= 2
 PYTEST := $(VENV)/pytest --durations=40 $(if $(filter-out 0 1,$(PYTEST_WORKERS)),\
   -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 
-# The runner's lab tests need the lab: a lab already up is used and kept; otherwise one is started
-# for the tests and removed after them.
-test: host test-env   ## everything CI runs: lint, pytest (lab and molecule scenarios included)
-	$(MAKE) lint
-	@if [ -f inventory/lab.yml ]; then $(PYTEST); else \
-	  $(VENV)/ansible-playbook playbooks/lab.yml && { $(PYTEST); status=$$?; \
-	  $(VENV)/ansible-playbook playbooks/lab.yml -e lab_state=absent; exit $$status; }; fi
+# The tests use the lab: a lab already up is used and kept; otherwise one is started for them and
+# removed after them. Before pytest, side by side (make -j, each target's output printed whole
+# once it ends): lint, the wheelhouse and the training venv, and the lab.
+LAB_UP_BEFORE := $(wildcard inventory/lab.yml)
+LAB_DOWN_AFTER := $(if $(LAB_UP_BEFORE),true,$(MAKE) --no-print-directory lab-down)
+
+# What the tests need of this machine beyond `make host`: chromium renders TensorBoard
+# (molecule/train/tests/test_serve.py).
+test-host:
+	@scripts/bootstrap-host.sh --with chromium
+
+test-lab: test-host setup
+	$(if $(LAB_UP_BEFORE),@echo "test: using the lab that is up ($(LAB_UP_BEFORE))",\
+	  $(VENV)/ansible-playbook playbooks/lab.yml -e lab_nodes=$(NODES) -e lab_cluster_name=$(LAB_NAME))
+
+test:                 ## everything CI runs: lint, pytest (lab and molecule scenarios included)
+	@$(MAKE) --no-print-directory -j3 --output-sync=target lint test-env test-lab || \
+	  { $(LAB_DOWN_AFTER); exit 1; }
+	@status=0; $(PYTEST) || status=$$?; $(LAB_DOWN_AFTER); exit $$status

@@ -7,6 +7,10 @@
 - DATA: the dataset files the checks are tried on. tests/data/datasets.json holds each one's exact
   text (broken ones included); they are written once per session into a directory of their own,
   beside tests/data/sharegpt_mixed.json (which molecule's train scenario reads too).
+- The lab (inventory/lab.yml, which `make test` starts): `lab` drives it through the API,
+  `lab_hosts` names its nodes in rank order, `provisioned` runs provision.yml on it once for the
+  whole session (the runner's tests, tests/test_lab.py's checks of a provisioned node). They skip
+  when the lab is not up.
 - The parallel run (`make test`: pytest-xdist, `--dist loadgroup`): a worker runs an xdist group
   whole. Every test marked `lab` is in the group `lab` (they share inventory/lab.yml and the lab's
   nodes); each molecule scenario is a group of its own (tests/test_molecule.py); the other tests
@@ -24,7 +28,10 @@ from itertools import islice
 from pathlib import Path
 
 import pytest
+import yaml
 from ansible.plugins.loader import init_plugin_loader
+
+from train_runner import DEFAULT_INVENTORY, Cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,14 +52,44 @@ def _materialise_datasets() -> Path:
 DATA = _materialise_datasets()
 
 
+@pytest.fixture(scope="session")
+def lab() -> Cluster:
+    if not DEFAULT_INVENTORY.is_file():
+        pytest.skip(f"{DEFAULT_INVENTORY} is absent: start the lab with `make lab`")
+    return Cluster()
+
+
+@pytest.fixture(scope="session")
+def lab_hosts(lab: Cluster) -> list[str]:
+    """The lab's nodes, master first."""
+    hosts: list[str] = []
+
+    def walk(group: dict) -> None:
+        hosts.extend((group.get("hosts") or {}).keys())
+        for child in (group.get("children") or {}).values():
+            walk(child or {})
+
+    walk(yaml.safe_load(DEFAULT_INVENTORY.read_text())["all"])
+    return hosts
+
+
+@pytest.fixture(scope="session")
+def provisioned(lab: Cluster, lab_hosts: list[str]) -> Cluster:
+    """The lab after provision.yml, run once for the session through the API."""
+    result = lab.provision()
+    assert result.ok
+    assert set(result.hosts) >= set(lab_hosts)
+    assert not any(s.failed or s.unreachable for s in result.hosts.values())
+    return lab
+
+
 # Each group's time in CI's rehearsal, in seconds (CONTRIBUTING.md, "Tests and CI's time"): only
 # their order matters. A group not listed here counts as 1, after these, before the unit tests.
 GROUP_SECONDS = {
-    "molecule-train": 1265,
-    "lab": 771,
-    "molecule-cluster": 232,
-    "molecule-provision": 186,
-    "molecule-in_use": 83,
+    "molecule-train": 1364,
+    "lab": 780,
+    "molecule-cluster": 251,
+    "molecule-in_use": 113,
 }
 # Tests without a group after each group that did not start at once: the worker that takes the
 # group takes them too, so the next group goes to another worker rather than queue behind it.

@@ -736,36 +736,6 @@ def test_scaling_runs_the_pinned_plan_on_this_cluster_with_the_master_alone(
 # --------------------------------------------------------------------------------------------
 # The lab: real nodes over SSH
 # --------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def lab() -> Cluster:
-    if not DEFAULT_INVENTORY.is_file():
-        pytest.skip(
-            f"{DEFAULT_INVENTORY} is absent: start the lab with `python train_runner.py lab`"
-        )
-    return Cluster()
-
-
-def lab_hosts() -> list[str]:
-    hosts: list[str] = []
-
-    def walk(group: dict) -> None:
-        hosts.extend((group.get("hosts") or {}).keys())
-        for child in (group.get("children") or {}).values():
-            walk(child or {})
-
-    walk(yaml.safe_load(DEFAULT_INVENTORY.read_text())["all"])
-    return hosts
-
-
-@pytest.fixture(scope="module")
-def provisioned(lab: Cluster) -> Cluster:
-    result = lab.provision()
-    assert result.ok
-    assert set(result.hosts) >= set(lab_hosts())
-    assert not any(s.failed or s.unreachable for s in result.hosts.values())
-    return lab
-
-
 @pytest.mark.lab
 def test_lab_provision_reports_every_node(provisioned: Cluster):
     # The fixture asserted it; a second run must change nothing (idempotence through the API).
@@ -775,7 +745,7 @@ def test_lab_provision_reports_every_node(provisioned: Cluster):
 
 @pytest.mark.lab
 @needs_train
-def test_lab_train_tiny_returns_the_summary(provisioned: Cluster):
+def test_lab_train_tiny_returns_the_summary(provisioned: Cluster, lab_hosts: list[str]):
     events: list[dict] = []
     # Long enough (about a minute) for the watch to report progress at least once.
     result = provisioned.train(
@@ -786,7 +756,7 @@ def test_lab_train_tiny_returns_the_summary(provisioned: Cluster):
     assert summary is not None
     assert summary.run_id == result.run_id
     assert result.data["llama_run_id"] == result.run_id
-    assert summary.world_size == len(lab_hosts())
+    assert summary.world_size == len(lab_hosts)
     assert (summary.effective_batch_size or 0) > 0
     assert (summary.runtime_s or 0) > 0
     assert isinstance(summary.final_loss, float)
@@ -801,8 +771,9 @@ def test_lab_train_tiny_returns_the_summary(provisioned: Cluster):
 @needs_train
 def test_lab_scaling_trains_the_plan_on_every_node_then_on_the_master_alone(
     provisioned: Cluster,
+    lab_hosts: list[str],
 ):
-    nodes = len(lab_hosts())
+    nodes = len(lab_hosts)
     scaling = provisioned.scaling("tiny", steps=8)
     every, one = scaling.every.summary, scaling.one.summary
     assert (scaling.every.nodes, every.nnodes, every.world_size) == (nodes, nodes, nodes)
@@ -853,8 +824,10 @@ def run_units(host: str, run_id: str) -> str:
 
 @pytest.mark.lab
 @needs_train
-def test_lab_killed_rank_raises_playbook_failed_naming_the_node(provisioned: Cluster):
-    victim = lab_hosts()[-1]  # the last worker
+def test_lab_killed_rank_raises_playbook_failed_naming_the_node(
+    provisioned: Cluster, lab_hosts: list[str]
+):
+    victim = lab_hosts[-1]  # the last worker
     run_ids: list[str] = []
     killed = threading.Event()
 
@@ -896,7 +869,7 @@ def test_lab_killed_rank_raises_playbook_failed_naming_the_node(provisioned: Clu
     assert victim in error.message
     assert error.result is not None
     assert error.result.run_id == run_ids[-1]
-    for host in lab_hosts():
+    for host in lab_hosts:
         assert run_units(host, run_ids[-1]) == "", host
 
 
@@ -915,7 +888,7 @@ def test_lab_cli_train_shows_progress_and_exits_0_then_2(provisioned: Cluster):
 
 @pytest.mark.lab
 @needs_train
-def test_lab_cli_ctrl_c_stops_every_rank(provisioned: Cluster):
+def test_lab_cli_ctrl_c_stops_every_rank(provisioned: Cluster, lab_hosts: list[str]):
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -944,7 +917,7 @@ def test_lab_cli_ctrl_c_stops_every_rank(provisioned: Cluster):
     assert "stopped on every node" in out, out[-3000:]
     run_id = re.search(r"run (train-\S+) was interrupted", out)
     assert run_id, out[-3000:]
-    for host in lab_hosts():
+    for host in lab_hosts:
         assert run_units(host, run_id.group(1)) == "", host
 
 
