@@ -31,11 +31,12 @@ import pytest
 import yaml
 from ansible.plugins.loader import init_plugin_loader
 
-from train_runner import DEFAULT_INVENTORY, Cluster
-
 ROOT = Path(__file__).resolve().parents[1]
 
 init_plugin_loader([str(ROOT / "collections"), str(ROOT / ".cache" / "collections")])
+
+# After the finder: llama_runner loads the collection's modules through it.
+from train_runner import DEFAULT_INVENTORY, Cluster  # noqa: E402
 
 
 def _materialise_datasets() -> Path:
