@@ -104,7 +104,7 @@ Snapshot = dict[str, set[str]]
 
 
 def snapshot(text: str) -> Snapshot:
-    """snapshot.sh's output as {section: lines}."""
+    """The snapshot script's output (snapshot.yml) as {section: lines}."""
     sections: Snapshot = {}
     current = ""
     for line in text.splitlines():
@@ -121,7 +121,8 @@ def recorded(phase: str, name: str) -> Snapshot:
 
 
 def now(name: str) -> Snapshot:
-    script = (PROJECT / "molecule/in_use/snapshot.sh").read_text()
+    play = yaml.safe_load((PROJECT / "molecule/in_use/snapshot.yml").read_text())[0]
+    script = play["tasks"][0]["ansible.builtin.shell"]["cmd"]
     return snapshot(node(name).check_output(f"bash -c {shlex.quote(script)}"))
 
 
