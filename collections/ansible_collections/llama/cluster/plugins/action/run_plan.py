@@ -62,7 +62,7 @@ description:
     changing nothing on any node.
   - Reads the project's settings from the play's variables (models_catalogue, datasets_catalogue,
     datasets_formats, datasets_default, training_* (training_shared_storage for the checkpoints'
-    disk estimate), the hub settings of group_vars/all/hub.yml,
+    disk estimate), the hub settings of group_vars/all/models.yml,
     tiny_model_*, controller_runs_dir, project_dir) and every node's hostvars and facts; a GPU
     node's facts must be gathered or cached before (train.yml reads the missing ones first).
 options:
