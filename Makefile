@@ -12,7 +12,7 @@ export LLAMA_CLUSTER_CACHE ?= $(HOME)/.cache/llama-cluster
 export LLAMA_CLUSTER_TRAIN_VENV ?= $(LLAMA_CLUSTER_CACHE)/venv-train
 export LLAMA_CLUSTER_TRAIN_PYTHON ?= $(LLAMA_CLUSTER_TRAIN_VENV)/bin/python
 
-.PHONY: host setup test-env lab lab-down provision train demo lint test test-fast test-host test-lab
+.PHONY: host setup test-env lab lab-down provision train demo lint test test-fast test-lab
 
 host:                 ## this machine: Docker daemon, debootstrap, rsync (installed and started as root)
 	@scripts/bootstrap-host.sh
@@ -73,16 +73,14 @@ PYTEST := $(VENV)/pytest --durations=40 $(if $(filter-out 0 1,$(PYTEST_WORKERS))
 LAB_UP_BEFORE := $(wildcard inventory/lab.yml)
 LAB_DOWN_AFTER := $(if $(LAB_UP_BEFORE),true,$(MAKE) --no-print-directory lab-down)
 
-# What the tests need of this machine beyond `make host`: chromium renders TensorBoard
-# (molecule/train/tests/test_serve.py).
-test-host:
-	@scripts/bootstrap-host.sh --with chromium
-
-test-lab: test-host setup
+test-lab: host setup
 	$(if $(LAB_UP_BEFORE),@echo "test: using the lab that is up ($(LAB_UP_BEFORE))",\
 	  $(VENV)/ansible-playbook playbooks/lab.yml -e lab_nodes=$(NODES) -e lab_cluster_name=$(LAB_NAME))
 
+# The machine is checked first, alone: what it lacks stops the run before anything is set up.
+# Beyond `make host`, the tests need chromium (it renders TensorBoard, molecule/train/tests/test_serve.py).
 test:                 ## everything CI runs: lint, pytest (lab and molecule scenarios included)
+	@scripts/bootstrap-host.sh --with chromium
 	@$(MAKE) --no-print-directory -j3 --output-sync=target lint test-env test-lab || \
 	  { $(LAB_DOWN_AFTER); exit 1; }
 	@status=0; $(PYTEST) || status=$$?; $(LAB_DOWN_AFTER); exit $$status

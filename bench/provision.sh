@@ -8,7 +8,7 @@
 # wheelhouse: nodes install from the controller's wheelhouse (LLAMA_CLUSTER_CACHE, filled once);
 # index: every node downloads from PyPI itself (wheelhouse_enabled=false).
 # Prints one line per phase; the containers and the network are removed at the end (KEEP=1 keeps
-# them, e.g. for `pytest molecule/provision/tests --hosts=docker://mol-provision-bench1`).
+# them, e.g. to look at a node: docker exec -it mol-provision-bench1 bash).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NODES=${1:-2}

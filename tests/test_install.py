@@ -80,7 +80,7 @@ def test_outside_a_checkout_it_says_where_to_run(installed: Path, tmp_path: Path
 
 SCRIPT = "scripts/bootstrap-host.sh"
 TOOLS = ("bash", "id", "timeout", "seq", "sleep", "setsid", "make", "python3", "rsync")
-TOOLS += ("debootstrap", "docker", "dockerd", "apt-get")
+TOOLS += ("debootstrap", "docker", "dockerd", "apt-get", "chromium")
 SETPRIV = shutil.which("setpriv") or "setpriv"
 NOBODY = [SETPRIV, "--reuid=65534", "--regid=65534", "--clear-groups"]
 FIX = f"run sudo {SCRIPT}"
@@ -195,6 +195,10 @@ def test_make_without_docker_stops_at_once(bin_dir: Path, target: str) -> None:
     path = tools_path(bin_dir, without=("docker", "dockerd"))
     done, took = run([*NOBODY, "make", "--no-print-directory", target], path)
     assert done.returncode != 0
-    assert f"error: missing docker.io and this is not root: {FIX}" in done.stderr.splitlines()
+    # make test also needs chromium (it renders TensorBoard in the train scenario).
+    missing = "docker.io" + (
+        " chromium" if target == "test" and not shutil.which("chromium") else ""
+    )
+    assert f"error: missing {missing} and this is not root: {FIX}" in done.stderr.splitlines()
     assert "setup:" not in done.stdout
     assert took < 5

@@ -846,7 +846,7 @@ def test_lab_killed_rank_raises_playbook_failed_naming_the_node(
     def on_event(event: dict) -> None:
         if provisioned.current_run_id and not run_ids:
             run_ids.append(provisioned.current_run_id)
-        # Kill once rank 0 reports a training step: every rank is up by then.
+        # Kill once rank 0 reports a training step (a report every 2 s): every rank is up by then.
         res = event["event_data"].get("res") or {}
         progress = train_runner.TrainProgress.from_result("", res)
         if progress and progress.step is not None and run_ids and not killed.is_set():
@@ -857,7 +857,7 @@ def test_lab_killed_rank_raises_playbook_failed_naming_the_node(
     watchdog.start()
     try:
         with pytest.raises(PlaybookFailed) as caught:
-            provisioned.train("tiny", on_event=on_event, train_args=LONG_RUN)
+            provisioned.train("tiny", on_event=on_event, train_args=LONG_RUN, job_report_every=2)
     finally:
         watchdog.cancel()
     assert killed.is_set(), "the job finished before it could be killed"
@@ -896,6 +896,8 @@ def test_lab_cli_ctrl_c_stops_every_rank(provisioned: Cluster, lab_hosts: list[s
             "tiny",
             "-e",
             "train_args={num_train_epochs: 2000, save_steps: 100000}",
+            "-e",
+            "job_report_every=2",
         ],
         cwd=PROJECT_DIR,
         stdout=subprocess.PIPE,
@@ -904,7 +906,7 @@ def test_lab_cli_ctrl_c_stops_every_rank(provisioned: Cluster, lab_hosts: list[s
     )
     assert proc.stdout is not None
     lines = []
-    for line in proc.stdout:  # interrupt at the first progress line of the watched job
+    for line in proc.stdout:  # interrupt at the first progress line (one every 2 s)
         lines.append(line)
         if " step " in line:
             break
