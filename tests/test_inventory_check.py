@@ -50,7 +50,11 @@ def ghost() -> dict:
 
 def run(playbook: str, inventory: Path, *extra: str) -> tuple[int, str]:
     done = subprocess.run(
-        [str(ANSIBLE_PLAYBOOK), "-i", str(inventory), playbook, *extra],
+        # A run that train.yml plans is claimed (made) under the test's own directory.
+        [
+            *(str(ANSIBLE_PLAYBOOK), "-i", str(inventory), playbook),
+            *("-e", f"controller_runs_dir={inventory.parent / 'runs'}", *extra),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

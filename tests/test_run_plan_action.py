@@ -167,7 +167,11 @@ def _inventory(tmp: Path) -> Path:
 
 def _playbook(tmp: Path, playbook: str | Path, *extra: str) -> tuple[int, str]:
     done = subprocess.run(
-        [str(ANSIBLE_PLAYBOOK), "-i", str(_inventory(tmp)), str(playbook), *extra],
+        # The runs train.yml plans are claimed (made) under the test's own directory.
+        [
+            *(str(ANSIBLE_PLAYBOOK), "-i", str(_inventory(tmp)), str(playbook)),
+            *("-e", f"controller_runs_dir={tmp / 'runs'}", *extra),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -277,3 +281,29 @@ def test_the_tiny_model_is_generated_on_the_controller_once(tmp_path: Path) -> N
     rc, out = _call(tmp_path, {"model": "tiny"})
     assert rc == 0, out[-3000:]
     assert _result(out)["changed"] is False
+
+
+# ---- the run's id ----------------------------------------------------------------------------
+def test_a_run_planned_in_the_same_second_as_another_gets_the_next_free_second(
+    tmp_path: Path,
+) -> None:
+    runs = tmp_path / "runs"
+    planned = "train-20261204-235958-qwen-7b"
+    assert action.claim_run_id(runs, planned) == planned
+    assert (runs / planned).is_dir()
+    # Two more in the same second: each takes the next second that no run holds, across midnight.
+    assert action.claim_run_id(runs, planned) == "train-20261204-235959-qwen-7b"
+    assert action.claim_run_id(runs, planned) == "train-20261205-000000-qwen-7b"
+    assert sorted(p.name for p in runs.iterdir()) == [
+        planned,
+        "train-20261204-235959-qwen-7b",
+        "train-20261205-000000-qwen-7b",
+    ]
+
+
+def test_a_minute_of_runs_in_the_way_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    planned = "train-20261204-120000-tiny"
+    for second in range(action.CLAIM_SECONDS):
+        (tmp_path / f"train-20261204-1200{second:02d}-tiny").mkdir()
+    with pytest.raises(action.Refused, match="start this run again in a minute"):
+        action.claim_run_id(tmp_path, planned)

@@ -59,7 +59,11 @@ def two_nodes(tmp_path: Path) -> Path:
 
 def _train(inventory: Path, *extra: str, playbook: str = "train.yml") -> tuple[int, str]:
     done = subprocess.run(
-        [str(ANSIBLE_PLAYBOOK), "-i", str(inventory), playbook, *extra],
+        # The runs train.yml plans are claimed (made) under the test's own directory.
+        [
+            *(str(ANSIBLE_PLAYBOOK), "-i", str(inventory), playbook),
+            *("-e", f"controller_runs_dir={inventory.parent / 'runs'}", *extra),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -9,9 +9,10 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import re
 import shutil
 from collections.abc import Mapping
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 from urllib.error import HTTPError
@@ -103,6 +104,13 @@ options:
         config.json read); the plan then has no model_stage.
     type: bool
     default: true
+  claim_run_id:
+    description:
+      - true (train.yml) makes a new run's directory under controller_runs_dir once it is
+        planned, so that no other run started from this controller takes the same id; a run
+        planned in the same second as another gets the next free second's id. Not in check mode.
+    type: bool
+    default: false
   model_template:
     description: Override of the model's chat template.
     type: str
@@ -220,6 +228,30 @@ TINY_MODEL_FLAGS = {
 }
 # The hub's config.json is a few kB; a larger answer is not one.
 MAX_ANSWER_BYTES = 4 << 20
+
+
+# A new run's id (planner/assembly.py): train-<UTC start, to the second>-<model>.
+RUN_ID = re.compile(r"train-(\d{8}-\d{6})-(.+)")
+RUN_STAMP = "%Y%m%d-%H%M%S"
+CLAIM_SECONDS = 60
+
+
+def claim_run_id(runs_dir: Path, planned: str) -> str:
+    """The planned id, or the first later second's while a run of this controller holds it; its
+    directory under runs_dir is made here (mkdir fails where another run made it first)."""
+    stamp, model = RUN_ID.fullmatch(planned).groups()
+    started = datetime.strptime(stamp, RUN_STAMP)
+    for later in range(CLAIM_SECONDS):
+        run_id = f"train-{started + timedelta(seconds=later):{RUN_STAMP}}-{model}"
+        try:
+            (runs_dir / run_id).mkdir(parents=True)
+        except FileExistsError:
+            continue
+        return run_id
+    raise Refused(
+        f"Runs of {model} started in each of the {CLAIM_SECONDS} seconds from {stamp} hold "
+        f"{runs_dir}/train-<second>-{model}: start this run again in a minute."
+    )
 
 
 class Refused(Exception):
@@ -372,7 +404,16 @@ class ActionModule(ActionBase):
         )
         if staging is not None:
             plan["model_stage"] = staging
+        if asked["claim_run_id"] and not plan["resume"] and not self._task.check_mode:
+            self._claim(plan)
         return plan, notes + plan["summary"]
+
+    def _claim(self, plan: dict[str, Any]) -> None:
+        """The run's id made unique on this controller, in the plan and in its summary."""
+        planned = plan["run_id"]
+        plan["run_id"] = claim_run_id(Path(self._var("controller_runs_dir")), planned)
+        plan["summary"] = [line.replace(planned, plan["run_id"]) for line in plan["summary"]]
+        self._changed = True
 
     def _request(self, asked: Mapping[str, Any]) -> dict[str, Any]:
         """What the user asked for, as check_request reads it."""
@@ -398,7 +439,7 @@ class ActionModule(ActionBase):
         request["tokens_per_step"] = (
             self._var("training_tokens_per_step") if tokens in (None, "") else tokens
         )
-        request["timestamp"] = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+        request["timestamp"] = datetime.now(UTC).strftime(RUN_STAMP)
         return request
 
     # ---- the model ---------------------------------------------------------------------------
