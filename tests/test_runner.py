@@ -745,35 +745,29 @@ def test_lab_provision_reports_every_node(provisioned: Cluster):
 
 @pytest.mark.lab
 @needs_train
-def test_lab_train_tiny_returns_the_summary(provisioned: Cluster, lab_hosts: list[str]):
-    events: list[dict] = []
-    # A progress line every 2 s: the run (about 20 s of training) reports at least once.
-    result = provisioned.train("tiny", on_event=events.append, job_report_every=2)
-    assert result.ok
-    summary = result.summary
-    assert summary is not None
-    assert summary.run_id == result.run_id
-    assert result.data["llama_run_id"] == result.run_id
-    assert summary.world_size == len(lab_hosts)
-    assert (summary.effective_batch_size or 0) > 0
-    assert (summary.runtime_s or 0) > 0
-    assert isinstance(summary.final_loss, float)
-    assert summary.controller_dir is not None
-    assert summary.controller_dir.is_dir()
-    assert summary.loss_plot is None or summary.loss_plot.is_file()
-    assert any(e["event"] == "runner_retry" for e in events)
-    assert result.progress is not None
-
-
-@pytest.mark.lab
-@needs_train
 def test_lab_scaling_trains_the_plan_on_every_node_then_on_the_master_alone(
     provisioned: Cluster,
     lab_hosts: list[str],
 ):
     nodes = len(lab_hosts)
-    scaling = provisioned.scaling("tiny", steps=8)
+    events: list[dict] = []
+    progress: list[train_runner.TrainProgress] = []
+    # Two watched runs through train(): a progress line every 2 s reaches both callbacks.
+    scaling = provisioned.scaling(
+        "tiny", steps=8, on_event=events.append, on_progress=progress.append, job_report_every=2
+    )
     every, one = scaling.every.summary, scaling.one.summary
+    assert any(e["event"] == "runner_retry" for e in events)
+    assert progress
+    # Each run's summary, brought back to the controller.
+    for summary in (every, one):
+        assert (summary.effective_batch_size or 0) > 0
+        assert (summary.runtime_s or 0) > 0
+        assert isinstance(summary.final_loss, float)
+        assert summary.controller_dir is not None
+        assert summary.controller_dir.is_dir()
+        assert summary.controller_dir.name == summary.run_id
+        assert summary.loss_plot is None or summary.loss_plot.is_file()
     assert (scaling.every.nodes, every.nnodes, every.world_size) == (nodes, nodes, nodes)
     assert (scaling.one.nodes, one.nnodes, one.world_size) == (1, 1, 1)
     assert one.run_id != every.run_id
