@@ -62,7 +62,7 @@ test-fast: test-env   ## lint + pytest without molecule scenarios
 # scenario another, each run whole by one worker, the longest first (tests/conftest.py); the other
 # tests spread over the workers. 2 (the default): the train scenario on one worker, the lab's
 # tests, the other scenarios and the unit tests on the other; 1: one process, the files' order
-# (CONTRIBUTING.md, "Tests and CI's time", has the figures of both).
+# (CONTRIBUTING.md, "Tests and CI's time", has the figures).
 PYTEST_WORKERS ?= 2
 PYTEST := $(VENV)/pytest --durations=40 $(if $(filter-out 0 1,$(PYTEST_WORKERS)),\
   -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
