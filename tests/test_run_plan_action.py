@@ -289,11 +289,15 @@ def test_a_run_planned_in_the_same_second_as_another_gets_the_next_free_second(
 ) -> None:
     runs = tmp_path / "runs"
     planned = "train-20261204-235958-qwen-7b"
-    assert action.claim_run_id(runs, planned) == planned
+    assert action.claim_run_id(runs, "20261204-235958", "qwen-7b") == planned
     assert (runs / planned).is_dir()
     # Two more in the same second: each takes the next second that no run holds, across midnight.
-    assert action.claim_run_id(runs, planned) == "train-20261204-235959-qwen-7b"
-    assert action.claim_run_id(runs, planned) == "train-20261205-000000-qwen-7b"
+    assert action.claim_run_id(runs, "20261204-235958", "qwen-7b") == (
+        "train-20261204-235959-qwen-7b"
+    )
+    assert action.claim_run_id(runs, "20261204-235958", "qwen-7b") == (
+        "train-20261205-000000-qwen-7b"
+    )
     assert sorted(p.name for p in runs.iterdir()) == [
         planned,
         "train-20261204-235959-qwen-7b",
@@ -302,8 +306,7 @@ def test_a_run_planned_in_the_same_second_as_another_gets_the_next_free_second(
 
 
 def test_a_minute_of_runs_in_the_way_is_refused_with_what_to_do(tmp_path: Path) -> None:
-    planned = "train-20261204-120000-tiny"
     for second in range(action.CLAIM_SECONDS):
         (tmp_path / f"train-20261204-1200{second:02d}-tiny").mkdir()
     with pytest.raises(action.Refused, match="start this run again in a minute"):
-        action.claim_run_id(tmp_path, planned)
+        action.claim_run_id(tmp_path, "20261204-120000", "tiny")

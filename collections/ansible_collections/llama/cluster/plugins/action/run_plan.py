@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import re
 import shutil
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
@@ -23,7 +22,11 @@ from ansible.module_utils.urls import ConnectionError as UrlConnectionError
 from ansible.module_utils.urls import open_url
 from ansible.plugins.action import ActionBase
 from ansible_collections.llama.cluster.plugins.filter.cluster import cluster_ranks, node_nproc
-from ansible_collections.llama.cluster.plugins.module_utils.planner.assembly import assemble
+from ansible_collections.llama.cluster.plugins.module_utils.planner.assembly import (
+    RUN_STAMP,
+    assemble,
+    new_run_id,
+)
 from ansible_collections.llama.cluster.plugins.module_utils.planner.model import (
     TOKEN_VARIABLE,
     model_stage_probe,
@@ -230,19 +233,16 @@ TINY_MODEL_FLAGS = {
 MAX_ANSWER_BYTES = 4 << 20
 
 
-# A new run's id (planner/assembly.py): train-<UTC start, to the second>-<model>.
-RUN_ID = re.compile(r"train-(\d{8}-\d{6})-(.+)")
-RUN_STAMP = "%Y%m%d-%H%M%S"
 CLAIM_SECONDS = 60
 
 
-def claim_run_id(runs_dir: Path, planned: str) -> str:
-    """The planned id, or the first later second's while a run of this controller holds it; its
-    directory under runs_dir is made here (mkdir fails where another run made it first)."""
-    stamp, model = RUN_ID.fullmatch(planned).groups()
+def claim_run_id(runs_dir: Path, stamp: str, model: str) -> str:
+    """The id of a new run of `model` planned at `stamp`, or of the first later second that no
+    run of this controller holds; its directory under runs_dir is made here (mkdir fails where
+    another run made it first)."""
     started = datetime.strptime(stamp, RUN_STAMP)
     for later in range(CLAIM_SECONDS):
-        run_id = f"train-{started + timedelta(seconds=later):{RUN_STAMP}}-{model}"
+        run_id = new_run_id(f"{started + timedelta(seconds=later):{RUN_STAMP}}", model)
         try:
             (runs_dir / run_id).mkdir(parents=True)
         except FileExistsError:
@@ -250,7 +250,7 @@ def claim_run_id(runs_dir: Path, planned: str) -> str:
         return run_id
     raise Refused(
         f"Runs of {model} started in each of the {CLAIM_SECONDS} seconds from {stamp} hold "
-        f"{runs_dir}/train-<second>-{model}: start this run again in a minute."
+        f"their directories in {runs_dir}: start this run again in a minute."
     )
 
 
@@ -405,13 +405,14 @@ class ActionModule(ActionBase):
         if staging is not None:
             plan["model_stage"] = staging
         if asked["claim_run_id"] and not plan["resume"] and not self._task.check_mode:
-            self._claim(plan)
+            self._claim(plan, request)
         return plan, notes + plan["summary"]
 
-    def _claim(self, plan: dict[str, Any]) -> None:
+    def _claim(self, plan: dict[str, Any], request: Mapping[str, Any]) -> None:
         """The run's id made unique on this controller, in the plan and in its summary."""
         planned = plan["run_id"]
-        plan["run_id"] = claim_run_id(Path(self._var("controller_runs_dir")), planned)
+        runs = Path(self._var("controller_runs_dir"))
+        plan["run_id"] = claim_run_id(runs, request["timestamp"], request["model"])
         plan["summary"] = [line.replace(planned, plan["run_id"]) for line in plan["summary"]]
         self._changed = True
 

@@ -28,6 +28,14 @@ from .rules import apply_rules, check_rules
 from .schema import Settings, check_project_settings, check_request
 from .search import SEARCH_STAGES, Option, Search, assess, ranked
 
+# A new run's id: train-<UTC start, to the second>-<model>.
+RUN_STAMP = "%Y%m%d-%H%M%S"
+
+
+def new_run_id(stamp: str, model: str | None) -> str:
+    """The id of a new run of `model` started at `stamp` (RUN_STAMP)."""
+    return f"train-{stamp}-" + re.sub(r"[^A-Za-z0-9_-]+", "-", str(model or "model"))
+
 
 def _smallest(
     nodes: Sequence[Mapping[str, Any]], key: str = "gpu_memory_gib"
@@ -300,8 +308,7 @@ def assemble(
     tokens = micro * accumulation * int(model["cutoff_len"])
     result = {
         "run_id": request.get("resume_id")
-        or f"train-{request.get('timestamp', 'now')}-"
-        + re.sub(r"[^A-Za-z0-9_-]+", "-", str(request.get("model") or "model")),
+        or new_run_id(request.get("timestamp", "now"), request.get("model")),
         "resume": bool(request.get("resume_id")),
         "model_name": request.get("model"),
         # What train.yaml loads (roles/run_config prints it): the model's path on every node.
