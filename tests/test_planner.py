@@ -14,6 +14,11 @@ from typing import Any
 
 import pytest
 import yaml
+from ansible_collections.llama.cluster.plugins.filter.run_config import (
+    dataset_info,
+    train_args,
+    train_yaml,
+)
 from ansible_collections.llama.cluster.plugins.module_utils.planner.assembly import plan
 from ansible_collections.llama.cluster.plugins.module_utils.planner.decisions import choose_compile
 from ansible_collections.llama.cluster.plugins.module_utils.planner.errors import PlanError
@@ -22,6 +27,7 @@ from ansible_collections.llama.cluster.plugins.module_utils.planner.measured_mem
 )
 from ansible_collections.llama.cluster.plugins.module_utils.planner.memory import GIB, Memory
 from ansible_collections.llama.cluster.plugins.module_utils.planner.model import (
+    find_model,
     layer_class,
     model_params,
     model_shape,
@@ -32,10 +38,6 @@ from ansible_collections.llama.cluster.plugins.module_utils.planner.nodes import
     hosts_without_gpu_facts,
     node_gpu_memory,
     node_host_memory,
-)
-from ansible_collections.llama.cluster.plugins.module_utils.planner.render import (
-    dataset_info,
-    train_yaml,
 )
 from ansible_collections.llama.cluster.plugins.module_utils.planner.rules import (
     RULE_KEYS,
@@ -704,7 +706,7 @@ def test_remote_code_needs_trust_and_the_plan_says_so() -> None:
     plan = make_plan("q1", model_path="/m/q1", model_config=config, trust_remote_code="true")
     assert plan["model"]["trust_remote_code"] is True
     assert "trust_remote_code" in plan["summary"][0]
-    assert train_yaml(plan, "/r")["trust_remote_code"] is True
+    assert train_args(plan, "/r")["trust_remote_code"] is True
 
 
 @pytest.mark.parametrize("model", GPU_MODELS)
@@ -834,7 +836,7 @@ BAD_VALUES = [
 @pytest.mark.parametrize(("extra", "message"), BAD_VALUES, ids=[m for _, m in BAD_VALUES])
 def test_a_bad_number_is_refused_saying_what_is_allowed(extra: dict, message: str) -> None:
     with pytest.raises(PlanError) as refused:
-        check_request(request(**extra), CATALOGUE, STAGES)
+        check_request(request(**extra), STAGES)
     assert message in str(refused.value)
     assert "nothing was changed on any node" in str(refused.value)
 
@@ -846,7 +848,7 @@ def test_every_bad_value_is_listed_in_one_message() -> None:
         tokens_per_step="many",
     )
     with pytest.raises(PlanError) as refused:
-        check_request(asked, CATALOGUE, STAGES)
+        check_request(asked, STAGES)
     lines = [x for x in str(refused.value).splitlines() if x.startswith("- ")]
     assert len(lines) == 5
 
@@ -865,7 +867,6 @@ def test_numbers_given_as_text_are_accepted_and_converted() -> None:
             tokens_per_step="4096",
             trust_remote_code="no",
         ),
-        CATALOGUE,
         STAGES,
     )
     assert checked["train_args"] == {
@@ -889,8 +890,10 @@ def test_max_restarts_is_in_the_plan() -> None:
 
 
 def test_an_unknown_model_lists_the_known_ones() -> None:
+    entry, problems = find_model(CATALOGUE, "gpt-5")
+    assert entry == {}
     with pytest.raises(PlanError, match=r'Unknown model "gpt-5"\. Known models: llama3-8b, '):
-        check_request(request("gpt-5"), CATALOGUE, STAGES)
+        check_request(request("gpt-5"), STAGES, problems)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1018,24 +1021,62 @@ def test_the_plan_shown_before_launch_lists_every_decision() -> None:
 
 def test_train_yaml_adds_the_model_data_and_paths() -> None:
     plan = make_plan("qwen2.5-0.5b", cluster=nodes(2), deepspeed="zero2")
-    args = train_yaml(plan, "/runs/r1")
+    args = train_args(plan, "/runs/r1")
     assert args["model_name_or_path"] == "Qwen/Qwen2.5-0.5B-Instruct"
     assert args["deepspeed"] == "/runs/r1/ds_config.json"
     assert (args["dataset_dir"], args["output_dir"]) == ("/runs/r1/data", "/runs/r1/output")
     assert args["cutoff_len"] == 2048
     assert args["save_on_each_node"] is True
     assert not any(key.startswith("lora_") for key in args)  # a full fine-tune
-    shared = train_yaml(plan, "/runs/r1", shared_storage=True)
+    shared = train_args(plan, "/runs/r1", shared_storage=True)
     assert "save_on_each_node" not in shared
-    fsdp = train_yaml({**plan, "deepspeed": "fsdp"}, "/runs/r1")
+    fsdp = train_args({**plan, "deepspeed": "fsdp"}, "/runs/r1")
     assert fsdp["fsdp_config"] == "/runs/r1/fsdp_config.json"
     assert "deepspeed" not in fsdp
     assert "tokenized_path" not in args  # the ranks tokenize unless asked
     stages = ("zero2",)
-    pretokenized = train_yaml(plan, "/runs/r1", False, stages, True)
+    pretokenized = train_args(plan, "/runs/r1", False, stages, True)
     assert pretokenized["tokenized_path"] == "/runs/r1/tokenized"
     streaming = {**plan, "train_args": {**plan["train_args"], "streaming": True}}
-    assert "tokenized_path" not in train_yaml(streaming, "/runs/r1", False, stages, True)
+    assert "tokenized_path" not in train_args(streaming, "/runs/r1", False, stages, True)
+
+
+def test_train_yaml_lists_the_arguments_in_sections_with_the_reasons_beside_them() -> None:
+    plan = make_plan("qwen2.5-0.5b", cluster=nodes(2), deepspeed="zero2")
+    plan["decisions"] = {"batch": "4 rows fit"}  # no reason for checkpointing or compile
+    args = {
+        **train_args(plan, "/runs/r1"),
+        "report_to": "none",
+        "learning_rate": 5e-05,
+        "my_own": "a b",
+        "disable_gradient_checkpointing": True,
+    }
+    text = train_yaml(args, plan, "/runs/r1", "10.0.0.1", 29500)
+    lines = text.splitlines()
+    assert lines[0] == f"# LLaMA-Factory training configuration, run {plan['run_id']}."
+    assert "#   MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 \\" in lines
+    assert "#   llamafactory-cli train /runs/r1/train.yaml" in lines
+    titles = [x for x in lines if x.startswith("### ")]
+    assert titles == [
+        "### model",
+        "### method",
+        "### dataset",
+        "### output",
+        "### train",
+        "### performance",
+        "### other settings",
+    ]
+    assert "model_name_or_path: Qwen/Qwen2.5-0.5B-Instruct" in lines
+    assert 'report_to: "none"  # no wandb/tensorboard unless asked for' in lines
+    assert "learning_rate: 5.0e-05" in lines  # a float to PyYAML too
+    assert "deepspeed: /runs/r1/ds_config.json  # ZeRO stage chosen for this run: zero2" in lines
+    batch = f"per_device_train_batch_size: {args['per_device_train_batch_size']}  # 4 rows fit"
+    assert batch in lines
+    assert "disable_gradient_checkpointing: true" in lines  # no reason given: no comment
+    others = lines[lines.index("### other settings") + 1 :]
+    assert others == ['my_own: "a b"', "save_total_limit: 3"]  # outside the sections, sorted
+    assert yaml.safe_load(text) == args
+    assert text.endswith("\n")
 
 
 def test_dataset_info_registers_each_file_beside_it() -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import yaml
-from ansible_collections.llama.cluster.plugins.module_utils.planner.render import run_files
+from ansible_collections.llama.cluster.plugins.filter.run_config import run_files
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_PYTHON = Path(

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 from ansible_collections.llama.cluster.plugins.filter import preflight
+from ansible_collections.llama.cluster.plugins.filter.run_config import dataset_files
 from ansible_collections.llama.cluster.plugins.module_utils.planner.checkpoints import resume_point
-from ansible_collections.llama.cluster.plugins.module_utils.planner.render import dataset_files
 
 ROOT = Path(__file__).resolve().parents[1]
 ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")

@@ -22,6 +22,7 @@ from ansible.module_utils.urls import ConnectionError as UrlConnectionError
 from ansible.module_utils.urls import open_url
 from ansible.plugins.action import ActionBase
 from ansible_collections.llama.cluster.plugins.filter.cluster import cluster_ranks, node_nproc
+from ansible_collections.llama.cluster.plugins.filter.run_config import dataset_files
 from ansible_collections.llama.cluster.plugins.module_utils.planner.assembly import (
     RUN_STAMP,
     assemble,
@@ -29,15 +30,16 @@ from ansible_collections.llama.cluster.plugins.module_utils.planner.assembly imp
 )
 from ansible_collections.llama.cluster.plugins.module_utils.planner.model import (
     TOKEN_VARIABLE,
+    find_model,
     model_stage_probe,
     model_stage_source,
     model_stage_token_policy,
+    resolve_model,
 )
 from ansible_collections.llama.cluster.plugins.module_utils.planner.nodes import (
     cluster_accelerator,
     describe_nodes,
 )
-from ansible_collections.llama.cluster.plugins.module_utils.planner.render import dataset_files
 from ansible_collections.llama.cluster.plugins.module_utils.planner.schema import (
     DEEPSPEED_STAGES,
     check_request,
@@ -47,9 +49,10 @@ DOCUMENTATION = r"""
 action: run_plan
 short_description: Check a training request and plan a new run, on the controller
 description:
-  - Runs in train.yml's first play (localhost) before any node changes, for a new run. Checks the
-    request once (one message lists every bad number), the inventory's ranks and accelerator, and
-    finds the model in models_catalogue (one lookup, in the check) with the -e overrides.
+  - Runs in train.yml's first play (localhost) before any node changes, for a new run. Finds the
+    model in models_catalogue (one lookup, module_utils/planner/model.py find_model), checks the
+    request once (one message lists every bad value, the model's first), the inventory's ranks and
+    accelerator.
   - The model's config.json is read on the controller. A generated model (the catalogue's tiny)
     is made first by scripts/make_tiny_model.py (once; a second run changes nothing). A
     directory of the controller is read where it is (and rsync must be there to copy it). A hub
@@ -59,8 +62,8 @@ description:
     O(shared_config) where only the nodes mount it.
   - Each dataset (datasets_catalogue, or O(dataset_file)) is checked record by record with
     llama.cluster.llama_dataset_check on the controller.
-  - Returns C(plan), the plan every node renders (roles/run_config), with
-    C(plan.model_name_or_path), the model's path on every node (train.yaml's model_name_or_path),
+  - Returns C(plan), the plan every node renders (roles/run_config), with C(plan.model), the
+    model with C(plan.model.path), its path on every node (train.yaml's model_name_or_path),
     and C(plan.model_stage), the request every node stages there (roles/model_stage; no secrets
     in it); and C(notes), the lines to show before launch. Fails with the problem and its fix,
     changing nothing on any node.
@@ -201,8 +204,8 @@ EXAMPLES = r"""
 RETURN = r"""
 plan:
   description:
-    - The run (roles/run_config renders it), with model_name_or_path and model_stage, the staging
-      request. Absent with read_on_master.
+    - The run (roles/run_config renders it), with model (model.path is train.yaml's
+      model_name_or_path) and model_stage, the staging request. Absent with read_on_master.
   type: dict
 read_on_master:
   description:
@@ -379,7 +382,8 @@ class ActionModule(ActionBase):
         settings = {key: self._var(name) for key, name in TRAINING_SETTINGS.items()}
         settings["stages"] = list(DEEPSPEED_STAGES)
         settings["shared_storage"] = bool(self._var("training_shared_storage", False))
-        request = check_request(self._request(asked), settings["catalogue"], DEEPSPEED_STAGES)
+        entry, problems = find_model(settings["catalogue"], asked["model"], asked["model_path"])
+        request = check_request(self._request(asked), DEEPSPEED_STAGES, problems)
         hostvars, groups = self._vars["hostvars"], self._var("groups")
         ranks = cluster_ranks(groups, hostvars)
         cluster_accelerator(list(ranks), hostvars)
@@ -387,7 +391,7 @@ class ActionModule(ActionBase):
         staging = None
         self._token_note = ""
         if asked["probe_model"]:
-            staging, config = self._model(asked, request["model_entry"])
+            staging, config = self._model(asked, entry)
             request.update(model_path=staging["path"], model_config=config)
             notes.append(f"Model {staging['name']}: {staging['summary']}")
             if self._token_note:
@@ -397,6 +401,7 @@ class ActionModule(ActionBase):
         nprocs = {host: node_nproc(hostvars[host]) for host in ranks}
         plan = assemble(
             request,
+            model=resolve_model(request, entry),
             nodes=describe_nodes(ranks, hostvars, nprocs),
             ranks=ranks,
             datasets=datasets,
@@ -417,7 +422,7 @@ class ActionModule(ActionBase):
         self._changed = True
 
     def _request(self, asked: Mapping[str, Any]) -> dict[str, Any]:
-        """What the user asked for, as check_request reads it."""
+        """What the user asked for, as check_request and resolve_model read it."""
         request = {
             key: asked[key]
             for key in (

@@ -22,7 +22,7 @@ from .disk import disk_estimate, disk_summary
 from .errors import TRAINING_FILE, PlanError
 from .links import run_link
 from .memory import GIB, Memory, gib_text
-from .model import resolve_model
+from .model import find_model, resolve_model
 from .nodes import check_nodes
 from .rules import apply_rules, check_rules
 from .schema import Settings, check_project_settings, check_request
@@ -218,26 +218,39 @@ def plan(
     datasets: Sequence[Mapping[str, Any]],
     settings: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """The run: what every node renders, why, and the lines shown before launch.
+    """The run of a request as the user gave it: checked, its model found in the catalogue and
+    resolved, then assembled (llama.cluster.run_plan does the same steps with the model staged
+    in between).
 
     `settings`: catalogue, defaults, rules, memory, compile and stages (see Settings).
     """
-    checked = check_request(request, settings["catalogue"], settings["stages"])
-    return assemble(checked, nodes=nodes, ranks=ranks, datasets=datasets, settings=settings)
+    entry, problems = find_model(
+        settings["catalogue"], request.get("model"), request.get("model_path")
+    )
+    checked = check_request(request, settings["stages"], problems)
+    return assemble(
+        checked,
+        model=resolve_model(checked, entry),
+        nodes=nodes,
+        ranks=ranks,
+        datasets=datasets,
+        settings=settings,
+    )
 
 
 def assemble(
     request: Mapping[str, Any],
     *,
+    model: Mapping[str, Any],
     nodes: Sequence[Mapping[str, Any]],
     ranks: Mapping[str, int],
     datasets: Sequence[Mapping[str, Any]],
     settings: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """The run of a request that check_request has passed (see plan)."""
+    """The run of a request that check_request has passed, for the model that resolve_model
+    gave (see plan): the model goes into the plan as it is, with its path on every node."""
     data = Settings(**settings)
     accelerator, nproc, world = check_nodes(nodes)
-    model = resolve_model(request)
     check_rules(data.rules)
     check_project_settings(data, model)
     smallest = _smallest(nodes)
@@ -311,9 +324,8 @@ def assemble(
         or new_run_id(request.get("timestamp", "now"), request.get("model")),
         "resume": bool(request.get("resume_id")),
         "model_name": request.get("model"),
-        # What train.yaml loads (roles/run_config prints it): the model's path on every node.
-        "model_name_or_path": model["path"],
-        "model": model,
+        # model.path is what train.yaml loads (model_name_or_path): its path on every node.
+        "model": dict(model),
         "datasets": list(datasets),
         "deepspeed": stage,
         "accelerator": accelerator,

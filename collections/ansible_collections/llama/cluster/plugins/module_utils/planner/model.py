@@ -1,6 +1,7 @@
-"""The model: its catalogue entry, the user's overrides, its size and shape read from
-config.json (`resolve_model`, `model_params`), and where it comes from and lives on every node
-(`model_stage_source`, `model_stage_probe`, `model_stage_token_policy`).
+"""The model: its catalogue entry (`find_model`, the one place the catalogue is read), the
+user's overrides, its size and shape read from config.json (`resolve_model`, `model_params`), and
+where it comes from and lives on every node (`model_stage_source`, `model_stage_probe`,
+`model_stage_token_policy`).
 
 Where it comes from: `model_stage_source` turns a catalogue entry (plus the run's overrides) into
 a staging request: a hub id to download on every node, a directory of the controller to copy to
@@ -98,12 +99,31 @@ def layer_class(config: Mapping[str, Any]) -> str:
     return str(arch).removesuffix("ForCausalLM") + "DecoderLayer"
 
 
-def resolve_model(request: Mapping[str, Any]) -> dict[str, Any]:
-    """The model entry for this run, with its size and shape.
+def find_model(
+    catalogue: Mapping[str, Any], name: object, model_path: object = ""
+) -> tuple[dict[str, Any], list[str]]:
+    """The model's catalogue entry ({} for a model of one's own, given by -e model_path), and
+    what is wrong with asking for it ([] when nothing is; check_request lists it with the rest).
+    The catalogue is read here only: the action and the planner take the entry from here."""
+    name = str(name or "")
+    entry = catalogue.get(name)
+    if entry is not None or model_path:
+        return dict(entry or {}), []
+    head = f"Unknown model {json.dumps(name, ensure_ascii=False)}" if name else "No model given"
+    return {}, [
+        f"{head}. Known models: {', '.join(sorted(catalogue))} ({CATALOGUE_FILE}). "
+        "Use -e model=<one of these>, or give your own with -e model=<name> "
+        "-e model_path=<hub id or path on every node> -e model_template=<template>"
+    ]
 
-    The catalogue entry that check_request found (`model_entry`; {} for a model outside the
-    catalogue, which gets the defaults) with the -e overrides on top: `path` is -e model_path, or
-    the path on every node that llama.cluster.run_plan gives as model_path. The
+
+def resolve_model(request: Mapping[str, Any], entry: Mapping[str, Any]) -> dict[str, Any]:
+    """The model for this run, with its path on every node, its size and shape.
+
+    `entry` is find_model's catalogue entry ({} for a model outside the catalogue, which gets
+    the defaults), with the checked request's -e overrides on top: `path` is -e model_path, or
+    the path on every node that llama.cluster.run_plan gives as model_path (train.yaml's
+    model_name_or_path, roles/run_config). The
     config is model_config (the parsed config.json, read by llama.cluster.run_plan) or else the
     catalogue's `config`; the size is -e model_params_b, else the catalogue's params_b, else
     counted from the config.
@@ -111,7 +131,6 @@ def resolve_model(request: Mapping[str, Any]) -> dict[str, Any]:
     (auto_map) and trust_remote_code was not given.
     """
     name = str(request.get("model") or "")
-    entry = dict(request.get("model_entry") or {})
     config = dict(request.get("model_config") or {}) or dict(entry.get("config") or {})
     model = {
         "template": "default",

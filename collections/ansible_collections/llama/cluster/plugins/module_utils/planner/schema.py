@@ -4,6 +4,7 @@ run's own inputs, and one message listing every bad value (`check_request`).
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -237,33 +238,23 @@ def check_project_settings(settings: Settings, model: Mapping[str, Any]) -> None
 
 def check_request(
     request: Mapping[str, Any],
-    catalogue: Mapping[str, Any],
     stages: Sequence[str],
+    problems: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """The request with its numbers coerced and its model's catalogue entry (`model_entry`, {}
-    for a model of one's own); raises one PlanError listing every problem.
+    """The request with its numbers coerced; raises one PlanError listing every problem, the
+    model's first (`problems`: what model.find_model found wrong with the model asked for).
 
     `request` holds what the user asked train.yml for, as llama.cluster.run_plan passes it (model,
     model_path, ..., train_args, cutoff_len, tokens_per_step, max_restarts, model_params_b,
-    dataset_records, trust_remote_code, deepspeed). The catalogue is read here only: the action
-    and the planner take the entry from the checked request.
+    dataset_records, trust_remote_code, deepspeed).
     """
     out = dict(request)
-    problems: list[str] = []
-    name = str(request.get("model") or "")
-    entry = catalogue.get(name)
-    out["model_entry"] = dict(entry or {})
-    if entry is None and not request.get("model_path"):
-        head = f"Unknown model {_quote(name)}" if name else "No model given"
-        problems.append(
-            f"{head}. Known models: {', '.join(sorted(catalogue))} ({CATALOGUE_FILE}). "
-            "Use -e model=<one of these>, or give your own with -e model=<name> "
-            "-e model_path=<hub id or path on every node> -e model_template=<template>"
-        )
+    problems = list(problems)
     deepspeed = str(request.get("deepspeed") or "auto")
     if deepspeed not in [*stages, "auto"]:
         problems.append(
-            f"Unknown deepspeed={_quote(deepspeed)}. Use one of: auto, {', '.join(stages)}"
+            f"Unknown deepspeed={json.dumps(deepspeed, ensure_ascii=False)}. "
+            f"Use one of: auto, {', '.join(stages)}"
         )
     finetuning = request.get("finetuning_type") or ""
     if finetuning and finetuning not in FINETUNING_TYPES:
@@ -290,10 +281,6 @@ def check_request(
             + "\nFix these and run again; nothing was changed on any node."
         )
     return out
-
-
-def _quote(value: str) -> str:
-    return '"' + value.replace('"', '\\"') + '"'
 
 
 @dataclass(frozen=True)
