@@ -28,14 +28,18 @@ from itertools import islice
 from pathlib import Path
 
 import pytest
-import yaml
+from ansible.inventory.manager import InventoryManager
+from ansible.parsing.dataloader import DataLoader
 from ansible.plugins.loader import init_plugin_loader
+from ansible.vars.manager import VariableManager
 
 ROOT = Path(__file__).resolve().parents[1]
 
 init_plugin_loader([str(ROOT / "collections"), str(ROOT / ".cache" / "collections")])
 
-# After the finder: llama_runner loads the collection's modules through it.
+# After the finder: llama_runner and the tests load the collection's plugins through it.
+from ansible_collections.llama.cluster.plugins.filter.cluster import cluster_ranks  # noqa: E402
+
 from train_runner import DEFAULT_INVENTORY, Cluster  # noqa: E402
 
 
@@ -60,18 +64,21 @@ def lab() -> Cluster:
     return Cluster()
 
 
+def ranked_hosts(inventory: Path) -> list[str]:
+    """The inventory's nodes in rank order, as train.yml ranks them (llama.cluster's
+    cluster_ranks over Ansible's own reading of the inventory)."""
+    loader = DataLoader()
+    hosts = InventoryManager(loader=loader, sources=[str(inventory)])
+    variables = VariableManager(loader=loader, inventory=hosts)
+    hostvars = {host.name: variables.get_vars(host=host) for host in hosts.get_hosts()}
+    ranks = cluster_ranks(hosts.get_groups_dict(), hostvars)
+    return sorted(ranks, key=ranks.__getitem__)
+
+
 @pytest.fixture(scope="session")
 def lab_hosts(lab: Cluster) -> list[str]:
     """The lab's nodes, master first."""
-    hosts: list[str] = []
-
-    def walk(group: dict) -> None:
-        hosts.extend((group.get("hosts") or {}).keys())
-        for child in (group.get("children") or {}).values():
-            walk(child or {})
-
-    walk(yaml.safe_load(DEFAULT_INVENTORY.read_text())["all"])
-    return hosts
+    return ranked_hosts(DEFAULT_INVENTORY)
 
 
 @pytest.fixture(scope="session")
