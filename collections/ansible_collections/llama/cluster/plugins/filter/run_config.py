@@ -17,9 +17,13 @@ from ansible_collections.llama.cluster.plugins.module_utils.planner.disk import 
 from ansible_collections.llama.cluster.plugins.module_utils.planner.nodes import (
     hosts_without_gpu_facts,
 )
-from ansible_collections.llama.cluster.plugins.module_utils.planner.schema import LORA_KEYS
+from ansible_collections.llama.cluster.plugins.module_utils.planner.schema import (
+    DEEPSPEED_STAGES,
+    LORA_KEYS,
+)
 
-DEEPSPEED_FILES = ("zero0", "zero1", "zero2", "zero3", "zero3_offload")
+# The stages that train with a ds_config.json (the role's are the keys of its vars/main.yml).
+DEEPSPEED_FILES = tuple(stage for stage in DEEPSPEED_STAGES if stage.startswith("zero"))
 
 # train.yaml's sections, in order; an argument in none of them goes under "other settings".
 TRAIN_YAML_SECTIONS = [
