@@ -235,8 +235,20 @@ TINY_MODEL_FLAGS = {
 # The hub's config.json is a few kB; a larger answer is not one.
 MAX_ANSWER_BYTES = 4 << 20
 
-
+# A run planned in a second that another run of this controller holds takes a later one.
 CLAIM_SECONDS = 60
+
+
+class Refused(Exception):
+    """A request that cannot be planned, with the message the user sees."""
+
+
+class MasterRead(Exception):
+    """The plan needs a config.json that only the master has (O(ask_master))."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.path = path
 
 
 def claim_run_id(runs_dir: Path, stamp: str, model: str) -> str:
@@ -255,18 +267,6 @@ def claim_run_id(runs_dir: Path, stamp: str, model: str) -> str:
         f"Runs of {model} started in each of the {CLAIM_SECONDS} seconds from {stamp} hold "
         f"their directories in {runs_dir}: start this run again in a minute."
     )
-
-
-class Refused(Exception):
-    """A request that cannot be planned, with the message the user sees."""
-
-
-class MasterRead(Exception):
-    """The plan needs a config.json that only the master has (O(ask_master))."""
-
-    def __init__(self, path: str) -> None:
-        super().__init__(path)
-        self.path = path
 
 
 def option_spec(documentation: str) -> dict[str, dict[str, Any]]:
