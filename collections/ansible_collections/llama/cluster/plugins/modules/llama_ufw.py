@@ -9,6 +9,10 @@ and runs ufw only for what differs, in the order that never locks anyone out: th
 first (SSH on every port sshd listens on), then the deletions of the caller's own stale rules,
 then logging and the default policies, then `ufw --force enable`. Before it changes anything it
 can keep a copy of ufw's state, which `state: rolled_back` puts back.
+
+Two things it never does to a server in use: turn on a ufw it finds off (unless asked,
+`if_inactive: enable`), and add a rule the node already has under another comment (ufw would
+relabel the operator's rule as the project's, and a later run could delete it).
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ description:
     deletion of stale rules the caller owns (by comment), then the policies, then enable.
   - SSH is allowed on every TCP port sshd listens on (C(sshd -T), and the listening sockets of
     sshd processes) plus O(ssh_ports), from O(ssh_sources).
-  - Rules whose comment is not in O(purge_comments) are never deleted.
+  - Rules whose comment is not in O(purge_comments) are never deleted, and a rule the node already
+    has under another comment (or none) is never added again: ufw would relabel it.
+  - An inactive ufw stays off and untouched unless O(if_inactive) is enable.
 options:
   rules:
     description:
@@ -64,6 +70,20 @@ options:
     type: list
     elements: str
     default: []
+  absent:
+    description:
+      - Rules to delete where the node has them with exactly this port, proto, source and
+        comment (the shape of O(rules)); a rule with another comment is never deleted.
+    type: list
+    elements: dict
+    default: []
+  if_inactive:
+    description:
+      - What to do when ufw is off and O(state) is enabled. leave (default) changes nothing at
+        all; enable adds the rules, sets the policies and turns ufw on.
+    type: str
+    default: leave
+    choices: [leave, enable]
   logging:
     description: ufw's logging level (off, low, medium, high, full); empty leaves it.
     type: str
@@ -106,6 +126,15 @@ was_active:
 saved:
   description: Whether ufw's previous state was saved in rollback_dir.
   type: bool
+  returned: always
+left_inactive:
+  description: ufw was off and was left off, untouched (if_inactive leave).
+  type: bool
+  returned: always
+kept:
+  description: The node's own rules (another comment, or none) that already let through what a
+    rule asked for: left as they are, under their own comment.
+  type: list
   returned: always
 """
 
@@ -172,6 +201,8 @@ def main() -> None:
             "ssh_comment": {"type": "str", "default": "llama-cluster ssh"},
             "ssh_required": {"type": "bool", "default": False},
             "purge_comments": {"type": "list", "elements": "str", "default": []},
+            "absent": {"type": "list", "elements": "dict", "default": []},
+            "if_inactive": {"type": "str", "default": "leave", "choices": ["leave", "enable"]},
             "logging": {"type": "str", "default": ""},
             "default_incoming": {"type": "str", "default": ""},
             "default_outgoing": {"type": "str", "default": ""},
@@ -196,6 +227,16 @@ def main() -> None:
     active = ufwtext.parse_status(run("status", "verbose")).active
     if params["state"] == "rolled_back":
         roll_back(module, run, Path(params["rollback_dir"]), active)
+    if ufwtext.leaves_inactive(params, active=active):
+        module.exit_json(
+            changed=False,
+            commands=[],
+            ssh_ports=[],
+            was_active=False,
+            saved=False,
+            left_inactive=True,
+            kept=[],
+        )
 
     ssh_ports: list[int] = []
     if params["ssh_sources"]:
@@ -211,10 +252,11 @@ def main() -> None:
         for port in ssh_ports
     ]
     rules = ufwtext.expand(ssh_rules + params["rules"])
-    problem = ufwtext.check_rules(rules)
+    absent = ufwtext.expand(params["absent"])
+    problem = ufwtext.check_rules(rules + absent)
     if problem:
         module.fail_json(msg=f"llama_ufw: {problem}")
-    params["rules"] = rules
+    params["rules"], params["absent"] = rules, absent
     plan = ufwtext.plan(
         params,
         active=active,
@@ -242,6 +284,8 @@ def main() -> None:
         ssh_ports=ssh_ports,
         was_active=active,
         saved=saved,
+        left_inactive=False,
+        kept=[ufwtext.added_line(rule) for rule in plan.kept],
     )
 
 
@@ -266,6 +310,8 @@ def roll_back(
         ssh_ports=[],
         was_active=active,
         saved=False,
+        left_inactive=False,
+        kept=[],
     )
 
 
