@@ -362,6 +362,50 @@ def test_listening_ports_are_those_of_the_given_sockets_in_listen_state() -> Non
     assert ufw.listening_ports(table, set()) == []
 
 
+# /proc/net/tcp and tcp6 as the kernel writes them (addresses in 32-bit words of the host's byte
+# order): sshd on 2222, a node exporter on 9100 and a database on loopback only (IPv4); a web
+# service on 8080, sshd again, and ::1 and ::ffff:127.0.0.1 listeners (IPv6); one connection.
+PROC_NET_TCP = """\
+  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 00000000:08AE 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4242 1
+   1: 00000000:238C 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 5151 1
+   2: 0100007F:0CEA 00000000:0000 0A 00000000:00000000 00:00000000 00000000   105        0 6161 1
+   3: 0B00000A:08AE 0C00000A:C350 01 00000000:00000000 02:000A7B8F 00000000     0        0 4243 4
+"""
+PROC_NET_TCP6 = """\
+  sl  local_address                         remote_address                        st tx_queue \
+rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 00000000000000000000000000000000:1F90 00000000000000000000000000000000:0000 0A 00000000:\
+00000000 00:00000000 00000000  1000        0 7171 1
+   1: 00000000000000000000000000000000:08AE 00000000000000000000000000000000:0000 0A 00000000:\
+00000000 00:00000000 00000000     0        0 4244 1
+   2: 00000000000000000000000001000000:1F91 00000000000000000000000000000000:0000 0A 00000000:\
+00000000 00:00000000 00000000  1000        0 8181 1
+   3: 0000000000000000FFFF00000100007F:1F92 00000000000000000000000000000000:0000 0A 00000000:\
+00000000 00:00000000 00000000  1000        0 9191 1
+"""
+
+
+def test_listening_sockets_leave_out_loopback_and_connections() -> None:
+    assert ufw.listening_sockets(PROC_NET_TCP) == {2222: {"4242"}, 9100: {"5151"}}
+    assert ufw.listening_sockets(PROC_NET_TCP6) == {8080: {"7171"}, 2222: {"4244"}}
+
+
+def test_the_ports_no_rule_names_are_those_that_go_dark_when_ufw_turns_on() -> None:
+    listening = {**ufw.listening_sockets(PROC_NET_TCP), **ufw.listening_sockets(PROC_NET_TCP6)}
+    rules = ufw.parse_added(
+        "Added user rules (see 'ufw status' for running firewall):\n"
+        "ufw allow 2222/tcp comment 'mine-ssh'\n"
+        "ufw allow from 10.0.0.11 comment 'llama-cluster nodes'\n"
+        "ufw allow 8000:8079/tcp\n"
+        "ufw deny 8080/tcp\n"
+        "ufw allow 9100/udp\n"
+    )
+    # Every port from a node names no port; a deny and a UDP rule let no TCP in.
+    assert ufw.unruled_ports(listening, rules) == [8080, 9100]
+    assert ufw.unruled_ports(listening, [*rules, *ufw.parse_added("ufw allow 8080,9100/tcp")]) == []
+
+
 @pytest.mark.parametrize(
     ("source", "written"),
     [

@@ -285,6 +285,9 @@ def test_asked_to_the_node_turns_its_ufw_on_with_ssh_allowed_first() -> None:
         "-e", '{"firewall_enable_inactive_ufw": true}',
     )  # fmt: skip
     assert result.returncode == 0, said(result)[-3000:]
+    # The service that only the cluster's nodes reach from now on is named.
+    assert "no rule names these listening TCP ports" in said(result)
+    assert "9100/tcp (python3)" in said(result)
     rules = added(NODE2)
     assert f"ufw allow {SSH_PORT}/tcp comment 'llama-cluster ssh'" in rules
     assert not [rule for rule in rules if rule.startswith("ufw allow 22/")]

@@ -210,6 +210,47 @@ def listening_ports(proc_net_tcp: str, inodes: set[str]) -> list[int]:
     return sorted(ports)
 
 
+def _address(hex_address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """An address of /proc/net/tcp{,6}: 32-bit words in the host's (little-endian) order."""
+    raw = bytes.fromhex(hex_address)
+    words = b"".join(raw[at : at + 4][::-1] for at in range(0, len(raw), 4))
+    return ipaddress.ip_address(words)
+
+
+def listening_sockets(proc_net_tcp: str) -> dict[int, set[str]]:
+    """The TCP ports of /proc/net/tcp (or tcp6) listened on other than on loopback: port ->
+    the sockets' inodes. Loopback-only listeners are out of a firewall's reach anyway."""
+    found: dict[int, set[str]] = {}
+    for line in proc_net_tcp.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) <= 9 or fields[3] != "0A":
+            continue
+        host, _, port = fields[1].rpartition(":")
+        address = _address(host)
+        mapped = getattr(address, "ipv4_mapped", None)
+        if address.is_loopback or (mapped is not None and mapped.is_loopback):
+            continue
+        found.setdefault(int(port, 16), set()).add(fields[9])
+    return found
+
+
+def names_port(rule: Rule, port: int) -> bool:
+    """Whether the rule lets TCP in on this port by naming it (a port, a list or a range)."""
+    if rule.action not in {"allow", "limit"} or rule.proto not in {"", "tcp"} or not rule.port:
+        return False
+    for part in rule.port.split(","):
+        low, _, high = part.partition(":")
+        if low.isdigit() and int(low) <= port <= int(high if high.isdigit() else low):
+            return True
+    return False
+
+
+def unruled_ports(listening: dict[int, set[str]], rules: list[Rule]) -> list[int]:
+    """The listening ports no rule names: once ufw denies by default, they answer only the
+    sources allowed on every port (the cluster's nodes)."""
+    return sorted(port for port in listening if not any(names_port(r, port) for r in rules))
+
+
 def normal_source(source: str) -> str:
     """A source as ufw writes it back: a network's host bits cleared, /32 and /128 dropped."""
     if source == ANY:

@@ -136,6 +136,13 @@ kept:
     rule asked for: left as they are, under their own comment.
   type: list
   returned: always
+unruled:
+  description:
+    - When this call turns ufw on, the TCP ports processes listen on (other than on loopback)
+      that no rule names, each with the processes' names; after it, only the sources allowed on
+      every port reach them.
+  type: list
+  returned: always
 """
 
 UFW_CONF = Path("/etc/ufw/ufw.conf")
@@ -149,22 +156,27 @@ STATE_FILES = (
 )
 
 
-def sshd_listening_inodes() -> set[str]:
-    """The socket inodes that sshd processes hold open."""
-    inodes: set[str] = set()
+TCP_TABLES = (Path("/proc/net/tcp"), Path("/proc/net/tcp6"))
+
+
+def socket_owners(only: set[str] | None = None) -> dict[str, set[str]]:
+    """The socket inodes processes (those named in only, else all) hold open: inode -> the
+    names (comm) of those processes."""
+    owners: dict[str, set[str]] = {}
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
-            if (proc / "comm").read_text().strip() not in {"sshd", "sshd-session"}:
+            name = (proc / "comm").read_text().strip()
+            if only is not None and name not in only:
                 continue
             for fd in (proc / "fd").iterdir():
                 target = os.readlink(fd)
                 if target.startswith("socket:["):
-                    inodes.add(target[8:-1])
+                    owners.setdefault(target[8:-1], set()).add(name)
         except OSError:
             continue
-    return inodes
+    return owners
 
 
 def detect_ssh_ports(module: AnsibleModule) -> list[int]:
@@ -175,11 +187,28 @@ def detect_ssh_ports(module: AnsibleModule) -> list[int]:
         rc, out, _ = module.run_command([sshd, "-T"], environ_update={"LC_ALL": "C"})
         if rc == 0:
             ports.update(ufwtext.sshd_ports(out))
-    inodes = sshd_listening_inodes()
-    for table in (Path("/proc/net/tcp"), Path("/proc/net/tcp6")):
+    inodes = set(socket_owners({"sshd", "sshd-session"}))
+    for table in TCP_TABLES:
         if inodes and table.exists():
             ports.update(ufwtext.listening_ports(table.read_text(), inodes))
     return sorted(ports)
+
+
+def unruled(rules: list[ufwtext.Rule]) -> list[dict[str, Any]]:
+    """The node's listening TCP ports that no rule names, with the processes behind them."""
+    owners = socket_owners()
+    listening: dict[int, set[str]] = {}
+    for table in TCP_TABLES:
+        if table.exists():
+            for port, inodes in ufwtext.listening_sockets(table.read_text()).items():
+                listening.setdefault(port, set()).update(inodes)
+    return [
+        {
+            "port": port,
+            "processes": sorted({n for inode in listening[port] for n in owners.get(inode, ())}),
+        }
+        for port in ufwtext.unruled_ports(listening, rules)
+    ]
 
 
 def save_state(directory: Path, active: bool) -> None:
@@ -236,6 +265,7 @@ def main() -> None:
             saved=False,
             left_inactive=True,
             kept=[],
+            unruled=[],
         )
 
     ssh_ports: list[int] = []
@@ -257,14 +287,19 @@ def main() -> None:
     if problem:
         module.fail_json(msg=f"llama_ufw: {problem}")
     params["rules"], params["absent"] = rules, absent
+    added = run("show", "added")
     plan = ufwtext.plan(
         params,
         active=active,
-        added=run("show", "added"),
+        added=added,
         conf=UFW_CONF.read_text() if UFW_CONF.exists() else "",
         defaults=UFW_DEFAULTS.read_text() if UFW_DEFAULTS.exists() else "",
     )
     commands = plan.commands()
+    # ufw is about to be turned on: what listens and no rule names goes dark but for the nodes.
+    exposed: list[dict[str, Any]] = []
+    if ["--force", "enable"] in commands:
+        exposed = unruled(ufwtext.parse_added(added) + plan.add)
     saved = False
     if commands and not module.check_mode and params["rollback_dir"]:
         save_state(Path(params["rollback_dir"]), active)
@@ -286,6 +321,7 @@ def main() -> None:
         saved=saved,
         left_inactive=False,
         kept=[ufwtext.added_line(rule) for rule in plan.kept],
+        unruled=exposed,
     )
 
 
@@ -312,6 +348,7 @@ def roll_back(
         saved=False,
         left_inactive=False,
         kept=[],
+        unruled=[],
     )
 
 
