@@ -26,6 +26,8 @@ SHARED = (
     "peft",
     "datasets",
     "trl",
+    "bitsandbytes",
+    "liger-kernel",
 )
 
 

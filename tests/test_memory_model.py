@@ -51,7 +51,9 @@ def test_the_grid_is_large_enough_and_split_in_halves() -> None:
     assert len(DATA["points"]) >= 24
     assert {p["shape"] for p in DATA["points"]} == {"0.5b", "1.5b", "3b", "7b", "8b"}
     assert {p["cap_gib"] for p in DATA["points"]} == {24, 48, 80, 141}
-    assert {p["stage"] for p in HELD_OUT} == set(mm.STAGES)
+    # Every stage but ZeRO-Offload (zero2_offload), which issue 38's cards grid measured
+    # (tests/test_cards_grid.py).
+    assert {p["stage"] for p in HELD_OUT} == set(mm.STAGES) - {"zero2_offload"}
     assert len(HELD_OUT) >= 20
     assert len(OOM) >= 5
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -77,8 +78,16 @@ QWEN25_7B_CONFIG = {  # Qwen2.5-7B's config.json, the fields that matter
 }
 
 
+# The optional packages of a provisioned node's stack (the lock installs them everywhere).
+STACK = {"bitsandbytes": "0.50.2", "liger-kernel": "0.8.5"}
+
+
 def nodes(
-    count: int = 1, nproc: int = 1, gib: float | None = H200_GIB, accelerator: str = "nvidia"
+    count: int = 1,
+    nproc: int = 1,
+    gib: float | None = H200_GIB,
+    accelerator: str = "nvidia",
+    packages: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     return [
         {
@@ -88,6 +97,7 @@ def nodes(
             "nproc": nproc,
             "gpu_memory_gib": None if accelerator == "cpu" else gib,
             "memory_source": "CPU node" if accelerator == "cpu" else "facts, GPU",
+            "packages": STACK if packages is None else packages,
         }
         for i in range(count)
     ]
@@ -130,32 +140,44 @@ def make_plan(
 
 # One GPU per node (world size = node count). Cells: 24 | 48 | 80 | 141 GiB, each "1 2 4 nodes".
 # One node is the measured model (BENCHMARKS.md section 5); several are extrapolated from it.
-# none = DDP, z1 = ZeRO-1, z2 = ZeRO-2, z3 = ZeRO-3, off = ZeRO-3 with CPU offload. The stage is
-# the fastest that fits by the cost model (planner/cost.py); these nodes have no link facts, so
-# communication is not counted: ZeRO-1 wins over ZeRO-2 wherever it fits (it moves its gradients
-# once per step), and a sharded stage over DDP where it lets the micro-batch grow without
-# recomputation.
+# none = DDP, z1 = ZeRO-1, z2 = ZeRO-2, o2 = ZeRO-2 with the optimizer offloaded (ZeRO-Offload),
+# z3 = ZeRO-3, off = ZeRO-3 with CPU offload; +8, +L, +8L: the technique (TECHNIQUE_MARK). The
+# stage is the fastest that fits by the cost model (planner/cost.py); these nodes have no link
+# facts, so communication is not counted: ZeRO-1 wins over ZeRO-2 wherever it fits (it moves
+# its gradients once per step), and a sharded stage over DDP where it lets the micro-batch grow
+# without recomputation.
 STAGE_TABLE = {
-    ("llama3-8b", "lora"): "none none none | none none none | none none none | none none none",
-    ("llama3-8b", "full"): "off off off | off off z3 | off z3 z1 | none z2 z1",
-    ("qwen-7b", "lora"): "none none none | none none none | none none none | none none none",
-    ("qwen-7b", "full"): "off off off | off off z3 | off z3 z1 | none z2 z1",
+    ("qwen2.5-14b", "lora"): "none+Q off z3 | none+L none+L none+L | "
+    "none none none | none none none",
+    ("qwen2.5-14b", "full"): "off off off | o2 o2 o2 | o2 o2 o2 | o2 o2 z1",
+    ("llama3-8b", "lora"): "none+L none+L none+L | none none none | "
+    "none none none | none none none",
+    ("llama3-8b", "full"): "off off off | o2 o2 o2 | o2 o2 z1 | none z2 z1",
+    ("qwen-7b", "lora"): "none+L none+L none+L | none none none | none none none | none none none",
+    ("qwen-7b", "full"): "off off off | o2 o2 o2 | o2 o2 z1 | none none+8 none+8",
     ("qwen2.5-0.5b", "lora"): "none none none | none none none | none none none | none none none",
-    ("qwen2.5-0.5b", "full"): "none z1 z1 | none none none | none none none | none none none",
+    ("qwen2.5-0.5b", "full"): "none+8 none+8 none+8 | none none none | "
+    "none none none | none none none",
     ("qwen2.5-1.5b", "lora"): "none none none | none none none | none none none | none none none",
-    ("qwen2.5-1.5b", "full"): "off z1 z1 | none none none | none none none | none none none",
-    ("qwen2.5-7b", "lora"): "none none none | none none none | none none none | none none none",
-    ("qwen2.5-7b", "full"): "off off off | off off z3 | off z3 z1 | none z2 z1",
+    ("qwen2.5-1.5b", "full"): "none+8L z1 z1 | none none none | none none none | none none none",
+    ("qwen2.5-7b", "lora"): "none+L none+L none+L | none none none | "
+    "none none none | none none none",
+    ("qwen2.5-7b", "full"): "off off off | o2 o2 o2 | o2 o2 z1 | none none+8 none+8",
     ("qwen3-0.6b", "lora"): "none none none | none none none | none none none | none none none",
-    ("qwen3-0.6b", "full"): "none z1 z1 | none none none | none none none | none none none",
+    ("qwen3-0.6b", "full"): "none+8 z1 z1 | none none none | none none none | none none none",
     ("qwen3-1.7b", "lora"): "none none none | none none none | none none none | none none none",
-    ("qwen3-1.7b", "full"): "off z2 z1 | none none none | none none none | none none none",
-    ("qwen3-4b", "lora"): "none none none | none none none | none none none | none none none",
-    ("qwen3-4b", "full"): "off off off | off z3 z1 | none z1 z1 | none none none",
-    ("qwen3-8b", "lora"): "none none none | none none none | none none none | none none none",
-    ("qwen3-8b", "full"): "off off off | off off z3 | off z3 z1 | none z1 z1",
+    ("qwen3-1.7b", "full"): "none+8L z2 z1 | none none+8 none+8 | none none none | none none none",
+    ("qwen3-4b", "lora"): "none+L none+L none+L | none none none | none none none | none none none",
+    ("qwen3-4b", "full"): "o2 o2 o2 | none+8L o2 z1 | none none+8 none+8 | none none none",
+    ("qwen3-8b", "lora"): "none+L none+L none+L | none none none | none none none | none none none",
+    ("qwen3-8b", "full"): "off off off | o2 o2 o2 | o2 o2 z1 | none none+8 z1",
 }
-SHORT = {"none": "none", "zero1": "z1", "zero2": "z2", "zero3": "z3", "zero3_offload": "off"}
+# The memory-saving technique beside the stage (planner/techniques.py): +8 bitsandbytes' 8-bit
+# AdamW, +L Liger's kernels, +8L both, +Q QLoRA.
+TECHNIQUE_MARK = {"none": "", "8-bit AdamW": "+8", "Liger": "+L", "8-bit AdamW + Liger": "+8L",
+                  "QLoRA 4-bit": "+Q"}  # fmt: skip
+SHORT = {"none": "none", "zero1": "z1", "zero2": "z2", "zero2_offload": "o2", "zero3": "z3",
+         "zero3_offload": "off"}  # fmt: skip
 MEMORIES = (24, 48, 80, 141)
 NODE_COUNTS = (1, 2, 4)
 
@@ -176,7 +198,8 @@ def test_the_stage_table_covers_every_catalogue_model() -> None:
 @pytest.mark.parametrize(("model", "finetuning", "gib", "count", "stage"), stage_cases())
 def test_deepspeed_stage(model: str, finetuning: str, gib: int, count: int, stage: str) -> None:
     plan = make_plan(model, cluster=nodes(count, gib=gib), finetuning_type=finetuning)
-    assert SHORT[plan["deepspeed"]] == stage
+    label = plan["technique"]["label"]
+    assert SHORT[plan["deepspeed"]] + TECHNIQUE_MARK[label] == stage
     assert plan["memory_estimate_gib"] <= plan["memory_budget_gib"]
 
 
@@ -198,12 +221,18 @@ def test_eight_gpu_nodes_shard_a_full_7b_with_zero1_not_zero3() -> None:
 def test_a_stage_asked_for_is_kept_and_said_so() -> None:
     plan = make_plan("qwen2.5-0.5b", deepspeed="zero3")
     assert plan["deepspeed"] == "zero3"
-    assert "DeepSpeed: zero3 (deepspeed=zero3 given)" in plan["summary"]
+    line = next(x for x in plan["summary"] if x.startswith("DeepSpeed:"))
+    assert line.startswith("DeepSpeed: zero3 (deepspeed=zero3 given; the fastest predicted of its")
 
 
-def test_a_stage_asked_for_that_does_not_fit_is_refused() -> None:
-    with pytest.raises(PlanError, match="does not fit the GPUs: deepspeed=none"):
+def test_a_stage_asked_for_that_does_not_fit_is_refused_with_what_each_technique_needs() -> None:
+    with pytest.raises(PlanError) as refused:
         make_plan("llama3-8b", cluster=nodes(1, gib=24), finetuning_type="full", deepspeed="none")
+    message = str(refused.value)
+    assert message.startswith("The run does not fit the GPUs with deepspeed=none")
+    assert re.search(r"plain: 1\d\d\.\d GiB; .*8-bit AdamW: \d+\.\d GiB", message)
+    assert "the budget is 20.7 GiB" in message
+    assert "Nothing was changed on any node." in message
 
 
 def test_cpu_clusters_train_with_plain_ddp() -> None:
@@ -339,7 +368,8 @@ def test_the_micro_batch_is_the_largest_divisor_that_fits_without_checkpointing(
 
 
 def test_checkpointing_stays_on_where_no_micro_batch_fits_without_it() -> None:
-    plan = make_plan(cluster=nodes(1, gib=RTX4090_GIB))
+    # Without Liger (a node whose stack lacks it): 7B LoRA's logits leave room for one row.
+    plan = make_plan(cluster=nodes(1, gib=RTX4090_GIB, packages={}))
     args = plan["train_args"]
     assert plan["deepspeed"] == "none"
     assert plan["gradient_checkpointing"] is True
@@ -596,19 +626,21 @@ def test_24gb_plans_for_the_benchmarked_models() -> None:
         cutoff_len=1024,
         tokens_per_step=3072,
     )
-    # 16 bytes per parameter (24.7 GB) do not fit: the optimizer and weights go to CPU memory,
-    # and the 3 rows then fit without checkpointing.
-    assert full["deepspeed"] == "zero3_offload"
+    # 16 bytes per parameter (24.7 GB) do not fit; bitsandbytes' 8-bit AdamW (2 bytes of state
+    # instead of 8) keeps the run on the GPU, without DeepSpeed: 3 checkpointed rows.
+    assert full["deepspeed"] == "none"
+    assert full["train_args"]["optim"] == "adamw_8bit"
     assert full["train_args"]["per_device_train_batch_size"] == 3
-    assert full["train_args"]["disable_gradient_checkpointing"] is True
+    assert full["gradient_checkpointing"] is True
     assert "torch_compile" not in full["train_args"]
     lora = make_plan(
         "qwen2.5-7b", cluster=nodes(1, gib=RTX4090_GIB), cutoff_len=1024, tokens_per_step=3072
     )
-    # 15 GB of bf16 weights leave room for three checkpointed rows by the measured model (20.6 of
-    # the 20.7 GiB one process may allocate on 24 GiB, BENCHMARKS.md section 5): 3 x 1.
+    # 15 GB of bf16 weights, and Liger's fused cross-entropy keeps the logits from being held
+    # whole: three checkpointed rows at once (BENCHMARKS.md section 10).
     assert lora["deepspeed"] == "none"
     args = lora["train_args"]
+    assert args["enable_liger_kernel"] is True
     assert (args["per_device_train_batch_size"], args["gradient_accumulation_steps"]) == (3, 1)
     assert lora["gradient_checkpointing"] is True
     assert lora["tokens_per_step"] == 3072
@@ -1141,10 +1173,11 @@ def test_with_enough_host_memory_the_offload_plan_stands_and_says_its_need() -> 
     planned = make_plan(
         "qwen2.5-7b", finetuning_type="full", cluster=with_host_memory(nodes(1, gib=48.0), 512.0)
     )
-    assert planned["deepspeed"] == "zero3_offload"
+    # ZeRO-Offload: the optimizer's fp32 state and DeepSpeed's pinned buffers on the host.
+    assert planned["deepspeed"] == "zero2_offload"
     assert planned["host_budget_gib"] == 435.2
-    per_param = COEFFICIENTS["host.offload_full"]
-    expected = (COEFFICIENTS["host.base_gib"] * GIB + per_param * 7.62e9) / GIB
+    per_param = COEFFICIENTS["host.offload2_full"]
+    expected = (COEFFICIENTS["host.offload2_base_gib"] * GIB + per_param * 7.62e9) / GIB
     assert planned["host_estimate_gib"] == pytest.approx(expected, abs=0.5)
     assert any(line.startswith("Host memory planned for: 512.0 GiB") for line in planned["summary"])
 

@@ -28,7 +28,7 @@ TRAIN_PYTHON = Path(
 MODELS = sorted(
     yaml.safe_load((ROOT / "group_vars/all/models.yml").read_text())["models_catalogue"]
 )
-STAGES = ["none", "zero0", "zero1", "zero2", "zero3", "zero3_offload", "fsdp"]
+STAGES = ["none", "zero0", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "fsdp"]
 # Every stage for a full fine-tune and a LoRA one; every other model (its template, LoRA target,
 # layer class) at ZeRO-2, which test_train_yaml_reads_like_a_hand_written_file reads. Rendering
 # is a playbook run per model, the slowest part of the suite: this keeps it to 22 renders.
@@ -45,31 +45,37 @@ all:
         master:
           hosts:
             n1: &node {ansible_connection: local, ansible_python_interpreter: %(python)s,
-                       cluster_accelerator: nvidia, nproc_per_node: 8, cluster_address: 10.0.0.1,
+                       cluster_accelerator: nvidia, nproc_per_node: %(nproc)s,
+                       cluster_address: 10.0.0.1,
                        cluster_user: %(user)s, cluster_group: %(group)s,
-                       ansible_local: {llama_host: {gpus: %(gpus)s, gpu_count: 8}}}
+                       ansible_local: {llama_host: {gpus: %(gpus)s, gpu_count: 8},
+                                       llama_stack: {bitsandbytes: 0.50.2,
+                                                     liger-kernel: 0.8.5}}}
         workers:
-          hosts:
-            n2: *node
+          hosts: %(workers)s
 """
 
 
-def _inventory(tmp: Path) -> Path:
+def _inventory(tmp: Path, mib: int = 143771, nodes: int = 2, nproc: int = 8) -> Path:
     path = tmp / "inventory.yml"
     path.write_text(
         GPU_INVENTORY
         % {
+            "nproc": nproc,
+            "workers": "{n2: *node}" if nodes == 2 else "{}",
             "python": sys.executable,
             "user": pwd.getpwuid(os.getuid()).pw_name,
             "group": grp.getgrgid(os.getgid()).gr_name,
-            # Eight H200s, as roles/host_facts records them.
-            "gpus": json.dumps([{"index": i, "memory_mib": 143771} for i in range(8)]),
+            # Eight GPUs (H200s by default), as roles/host_facts records them.
+            "gpus": json.dumps([{"index": i, "memory_mib": mib} for i in range(8)]),
         }
     )
     return path
 
 
-def _render(inventory: Path, out: Path, model: str) -> subprocess.CompletedProcess:
+def _render(
+    inventory: Path, out: Path, model: str, extra: dict[str, Any] | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [
             str(ANSIBLE_PLAYBOOK),
@@ -83,7 +89,7 @@ def _render(inventory: Path, out: Path, model: str) -> subprocess.CompletedProce
             "-e",
             f"render_root={out / model}",
             "-e",
-            json.dumps({"stages": [s for m, s in PAIRS if m == model]}),
+            json.dumps(extra or {"stages": [s for m, s in PAIRS if m == model]}),
         ],
         cwd=ROOT,
         capture_output=True,
@@ -116,13 +122,39 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], 
     return runs
 
 
+# What train.yml plans for one 24 GiB card (an RTX 4090's 24,564 MiB) whose node has the stack's
+# bitsandbytes and liger-kernel: the memory-saving techniques, rendered as train.yaml.
+CARD_MIB = 24564
+CARD_RUNS = {
+    # -e deepspeed=none: planned with the technique that makes it fit, not refused.
+    "full-1.5b": ("qwen2.5-1.5b", {"finetuning_type": "full", "deepspeed": "none"}),
+    "qlora-14b": ("qwen2.5-14b", {"quantization_bit": 4}),
+}
+
+
 @pytest.fixture(scope="session")
-def verdicts(rendered: dict[tuple[str, str], Path]) -> dict[str, dict[str, str]]:
+def card_rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The plans of CARD_RUNS on 24 GiB GPUs, rendered; the run directory of each."""
+    tmp = tmp_path_factory.mktemp("cards")
+    inventory = _inventory(tmp, mib=CARD_MIB, nodes=1, nproc=1)
+    runs = {}
+    for name, (model, extra) in CARD_RUNS.items():
+        done = _render(inventory, tmp / name, model, extra)
+        assert done.returncode == 0, f"rendering {name} failed:\n{done.stdout[-3000:]}"
+        (runs[name],) = (tmp / name / model / "n1").glob("train-*")
+    return runs
+
+
+@pytest.fixture(scope="session")
+def verdicts(
+    rendered: dict[tuple[str, str], Path], card_rendered: dict[str, Path]
+) -> dict[str, dict[str, str]]:
     """Parse every rendered run directory in the training venv, in one process."""
     if not TRAIN_PYTHON.exists():
         pytest.skip(f"no training venv at {TRAIN_PYTHON}: run scripts/setup-train-venv.sh")
+    runs = [*rendered.values(), *card_rendered.values()]
     done = subprocess.run(
-        [str(TRAIN_PYTHON), str(ROOT / "tests/parse_configs.py"), *map(str, rendered.values())],
+        [str(TRAIN_PYTHON), str(ROOT / "tests/parse_configs.py"), *map(str, runs)],
         capture_output=True,
         text=True,
         check=False,
@@ -141,13 +173,31 @@ def test_rendered_configs_are_accepted_by_llamafactory_deepspeed_and_accelerate(
     assert verdict["train.yaml"] == "ok"
     assert verdict["accelerate.yaml"].startswith("ok")
     if stage.startswith("zero"):
-        expected = {"zero0": 0, "zero1": 1, "zero2": 2}.get(stage, 3)
+        expected = {"zero0": 0, "zero1": 1, "zero2": 2, "zero2_offload": 2}.get(stage, 3)
         assert verdict["ds_config.json"] == f"ok stage {expected}"
     else:
         assert "ds_config.json" not in verdict
     if stage == "fsdp":
         assert verdict["fsdp_config.json"] == "ok full_shard,auto_wrap"
         assert "FSDP" in verdict["accelerate.yaml"]
+
+
+@pytest.mark.parametrize("name", CARD_RUNS)
+def test_the_techniques_planned_for_a_24_gib_card_are_accepted_by_llamafactory(
+    card_rendered: dict, verdicts: dict, name: str
+) -> None:
+    run = card_rendered[name]
+    assert verdicts[str(run)]["train.yaml"] == "ok"
+    config = yaml.safe_load((run / "train.yaml").read_text())
+    plan = json.loads((run / "plan.json").read_text())
+    assert "deepspeed" not in config  # plain DDP: the techniques keep everything on the GPU
+    if name == "full-1.5b":
+        assert config["optim"] == "adamw_8bit"
+        assert plan["technique"]["numerics_changes"] == ["8-bit AdamW states"]
+    else:
+        assert (config["quantization_bit"], config["quantization_method"]) == (4, "bnb")
+        assert config["finetuning_type"] == "lora"
+    assert plan["memory_estimate_gib"] <= plan["memory_budget_gib"] < CARD_MIB / 1024
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -221,6 +271,16 @@ def zero3(overlap: bool) -> dict[str, Any]:
 def expected(stage: str, bucket: int, overlap: bool) -> dict[str, Any]:
     """The old per-stage template's output for these settings."""
     offload = {"device": "cpu", "pin_memory": True}
+    zero2 = {
+        "stage": 2,
+        "allgather_partitions": True,
+        "allgather_bucket_size": bucket,
+        "reduce_scatter": True,
+        "reduce_bucket_size": bucket,
+        "overlap_comm": overlap,
+        "contiguous_gradients": True,
+        "round_robin_gradients": True,
+    }
     zero = {
         "zero0": {"stage": 0, "reduce_bucket_size": bucket},
         # New with the cost model (no per-stage template had it): stage 1.
@@ -230,16 +290,9 @@ def expected(stage: str, bucket: int, overlap: bool) -> dict[str, Any]:
             "reduce_bucket_size": bucket,
             "allgather_bucket_size": bucket,
         },
-        "zero2": {
-            "stage": 2,
-            "allgather_partitions": True,
-            "allgather_bucket_size": bucket,
-            "reduce_scatter": True,
-            "reduce_bucket_size": bucket,
-            "overlap_comm": overlap,
-            "contiguous_gradients": True,
-            "round_robin_gradients": True,
-        },
+        "zero2": zero2,
+        # New with issue 38 (ZeRO-Offload proper): stage 2 with the optimizer on the host.
+        "zero2_offload": {**zero2, "offload_optimizer": offload},
         "zero3": zero3(overlap),
         "zero3_offload": {**zero3(overlap), "offload_optimizer": offload, "offload_param": offload},
     }[stage]
@@ -277,7 +330,9 @@ def deepspeed_rendered(
     return out, bucket, overlap
 
 
-@pytest.mark.parametrize("stage", ["zero0", "zero1", "zero2", "zero3", "zero3_offload"])
+@pytest.mark.parametrize(
+    "stage", ["zero0", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
+)
 def test_one_template_renders_what_the_per_stage_templates_did(
     deepspeed_rendered: tuple[Path, int, bool], stage: str
 ) -> None:
@@ -288,7 +343,7 @@ def test_one_template_renders_what_the_per_stage_templates_did(
 def test_every_deepspeed_stage_has_its_data(deepspeed_rendered: tuple[Path, int, bool]) -> None:
     out, _, _ = deepspeed_rendered
     stages = sorted(p.stem for p in out.glob("*.json"))
-    assert stages == ["zero0", "zero1", "zero2", "zero3", "zero3_offload"]
+    assert stages == ["zero0", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
 
 
 # -- The llama_files module (plugins/modules/llama_files.py), run for real on this machine

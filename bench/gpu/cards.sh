@@ -3,7 +3,7 @@
 # the optimizer step alone (bench/gpu/optim_bench.py), then the cards grid of
 # bench/gpu/memory_grid.py (numerics runs of 300 steps, memory points under 24-80 GiB caps, timed
 # points alone). Run there from the repository root with .whl carried:
-#   DEADLINE=500 bash bench/gpu/cards.sh
+#   DEADLINE=500 [GRID=cards2] [OPTIM=0] bash bench/gpu/cards.sh
 # What comes back under $OUT: optim.json, results.jsonl (every point: peaks, step times, losses),
 # grid.log, run.log, logs.tar.gz. BENCHMARKS.md section 10 has the tables made from them.
 set -uo pipefail
@@ -19,12 +19,16 @@ fi
 export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv | tee "$out/gpu.csv"
 python3 -c 'import torch, transformers, llamafactory, bitsandbytes, torchao, peft; print("torch", torch.__version__, "transformers", transformers.__version__, "llamafactory", llamafactory.__version__, "bitsandbytes", bitsandbytes.__version__, "torchao", torchao.__version__, "peft", peft.__version__)' | tee "$out/versions.txt"
-echo "=== optimizer step alone ($(date +%T))"
-python3 bench/gpu/optim_bench.py --shape 1.5b --warmup 2 --steps 5 --out "$out/optim.json"
+if [[ ${OPTIM:-1} == 1 ]]; then
+  echo "=== optimizer step alone ($(date +%T))"
+  python3 bench/gpu/optim_bench.py --shape 1.5b --warmup 2 --steps 5 --out "$out/optim.json"
+fi
 echo "=== cards grid ($(date +%T))"
-python3 bench/gpu/memory_grid.py run --grid cards --work /tmp/grid --out "$out" \
+python3 bench/gpu/memory_grid.py run --grid "${GRID:-cards}" --work /tmp/grid --out "$out" \
   --deadline "${DEADLINE:-480}" 2>&1 | tee "$out/run.log"
-echo "=== CPU Adam alone ($(date +%T))"
-timeout 60 python3 bench/gpu/optim_bench.py --shape 1.5b --steps 3 --what cpu-adam \
-  --out "$out/optim_cpu.json"
+if [[ ${OPTIM:-1} == 1 ]]; then
+  echo "=== CPU Adam alone ($(date +%T))"
+  timeout 60 python3 bench/gpu/optim_bench.py --shape 1.5b --steps 3 --what cpu-adam \
+    --out "$out/optim_cpu.json"
+fi
 echo "=== done ($(date +%T))"

@@ -100,7 +100,7 @@ def gpu_optimizer(name: str, factory: Any, matrices: list[tuple[int, ...]], args
         torch.cuda.synchronize()
         state = torch.cuda.memory_allocated() - before
         seconds = time_steps(opt.step, torch.cuda.synchronize, args.warmup, args.steps)
-    except Exception as err:  # noqa: BLE001 - report the optimizer that fails, time the rest
+    except Exception as err:
         return {"optimizer": name, "params": n, "error": f"{type(err).__name__}: {err}"[:400]}
     finally:
         del opt, params
@@ -131,7 +131,7 @@ def cpu_adam(n: int, args: Any) -> dict:  # noqa: ANN401
             left -= size
         opt = DeepSpeedCPUAdam(params, lr=1e-5)
         seconds = time_steps(opt.step, lambda: None, 1, max(2, args.steps // 3))
-    except Exception as err:  # noqa: BLE001 - the op builds on first use and can fail
+    except Exception as err:
         return {"optimizer": "deepspeed_cpu_adam", "params": n, "error": repr(err)[:400]}
     return {
         "optimizer": "deepspeed_cpu_adam",
@@ -149,7 +149,9 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument(
-        "--what", choices=("gpu", "cpu-adam", "both"), default="gpu",
+        "--what",
+        choices=("gpu", "cpu-adam", "both"),
+        default="gpu",
         help="the GPU optimizers, DeepSpeed's CPU Adam, or both",
     )
     args = parser.parse_args()

@@ -176,9 +176,7 @@ def slim_bitsandbytes(wheel: Path) -> None:
         record = next(n for n in names if n.endswith(".dist-info/RECORD"))
         kept = set(names)
         lines = [
-            line
-            for line in src.read(record).decode().splitlines()
-            if line.split(",", 1)[0] in kept
+            line for line in src.read(record).decode().splitlines() if line.split(",", 1)[0] in kept
         ]
         tmp = wheel.with_suffix(".tmp")
         with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as out:

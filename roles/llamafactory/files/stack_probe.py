@@ -30,8 +30,10 @@ DISTRIBUTIONS = (
     "accelerate",
     "peft",
 )
-# Extras a plan may need (llamafactory_extras): their version, or null where not installed.
-OPTIONAL = ("torchao",)
+# What a plan may need beyond the core: their version, or null where not installed (torchao an
+# extra, llamafactory_extras; bitsandbytes and liger-kernel in the stack since issue 38, but a
+# node provisioned before has neither: the planner then leaves the techniques that need them).
+OPTIONAL = ("torchao", "bitsandbytes", "liger-kernel")
 NVIDIA = Path("/proc/driver/nvidia")
 
 

@@ -145,8 +145,21 @@ options:
     default: false
   deepspeed:
     description:
-      - auto, none, zero0, zero1, zero2, zero3, zero3_offload or fsdp (default training_deepspeed).
+      - auto, none, zero0, zero1, zero2, zero2_offload, zero3, zero3_offload or fsdp (default
+        training_deepspeed).
     type: str
+  quantization_bit:
+    description:
+      - 4 trains QLoRA (LoRA on 4-bit frozen weights, bitsandbytes); 0 (default) lets the planner
+        choose QLoRA only for a LoRA run whose bf16 weights fit no stage.
+    type: raw
+    default: 0
+  numerics:
+    description:
+      - measured (the search may choose a change of numerics measured to follow fp32 AdamW's
+        loss, such as 8-bit AdamW or a QLoRA fallback) or exact (none); "" = training_numerics.
+    type: str
+    default: ""
   train_args:
     description: LLaMA-Factory training arguments (a mapping) that win over every default.
     type: raw
@@ -438,9 +451,11 @@ class ActionModule(ActionBase):
                 "max_restarts",
                 "allow_slow_scaling",
                 "fp8",
+                "quantization_bit",
             )
         }
         request["deepspeed"] = asked["deepspeed"] or self._var("training_deepspeed")
+        request["numerics"] = asked["numerics"] or self._var("training_numerics", "measured")
         tokens = asked["tokens_per_step"]
         request["tokens_per_step"] = (
             self._var("training_tokens_per_step") if tokens in (None, "") else tokens

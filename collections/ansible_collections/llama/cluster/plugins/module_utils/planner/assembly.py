@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from .cost import Link
@@ -26,7 +27,12 @@ from .model import find_model, resolve_model
 from .nodes import check_nodes
 from .rules import apply_rules, check_rules
 from .schema import Settings, check_project_settings, check_request
-from .search import SEARCH_STAGES, Option, Search, assess, ranked
+from .search import SEARCH_STAGES, Option, Search, Tries, assess, ranked
+from .techniques import NUMERICS_EVIDENCE, PLAIN, Technique, candidates, fallback
+
+# Stages that keep the weights in host memory: a LoRA run that fits only with one of them may be
+# planned as QLoRA instead (its 4-bit weights fit the GPU).
+PARAMETER_OFFLOAD = ("zero3_offload",)
 
 # A new run's id: train-<UTC start, to the second>-<model>.
 RUN_STAMP = "%Y%m%d-%H%M%S"
@@ -74,6 +80,39 @@ def _batch_request(
     )
 
 
+def _tries(
+    stages: Sequence[str],
+    memory: Memory,
+    explicit: Mapping[str, Any],
+    *,
+    numerics: str,
+    quantization: int,
+    available: frozenset[str],
+    planner_fallback: bool = False,
+) -> Tries:
+    """The techniques each stage tries (planner/techniques.py), less those a setting of the
+    user's excludes: an optimizer or Liger set in train_args is kept as set."""
+    pick = fallback if planner_fallback else candidates
+    tries = {}
+    for stage in stages:
+        found = tuple(
+            t
+            for t in pick(
+                memory.finetuning,
+                stage,
+                numerics=numerics,
+                available=available,
+                **({} if planner_fallback else {"quantization": quantization}),
+            )
+            if ("optim" not in explicit or t.optim == explicit["optim"])
+            and (
+                "enable_liger_kernel" not in explicit or t.liger == explicit["enable_liger_kernel"]
+            )
+        )
+        tries[stage] = found
+    return tries
+
+
 def _searched(
     request: Mapping[str, Any],
     model: Mapping[str, Any],
@@ -82,9 +121,12 @@ def _searched(
     facts: Mapping[str, Any],
     settings: Settings,
     link: Link | None,
+    available: frozenset[str],
 ) -> Search | None:
-    """The candidates of every stage the planner may choose (or the one asked for), ranked by
-    the cost model; None where it does not apply (CPUs, a model of unknown shape)."""
+    """The candidates of every stage the planner may choose (or the one asked for) and their
+    techniques, ranked by the cost model; where a LoRA run's bf16 weights fit the GPU with no
+    stage (only offloaded to the host), QLoRA's candidates too (unless numerics is exact);
+    None where the search does not apply (CPUs, a model of unknown shape)."""
     shape = memory.measured_shape()
     if memory.budget is None or shape is None:
         return None
@@ -94,10 +136,27 @@ def _searched(
     for stage in stages:
         profile, _ = apply_rules(settings.rules, {**facts, "deepspeed": stage})
         asks[stage] = _batch_request(request, model, _explicit(request, model, profile), settings)
-    merged = {**settings.defaults, **_explicit(request, model, {})}
+    explicit = _explicit(request, model, {})
+    merged = {**settings.defaults, **explicit}
     rank = int(merged.get("lora_rank") or 8)
-    options, skipped = ranked(memory, asks, shape, link, rank)
-    return Search(asks, shape, rank, options, skipped)
+    how = {
+        "numerics": request["numerics"],
+        "quantization": int(request.get("quantization_bit") or 0),
+        "available": available,
+    }
+    tries = _tries(stages, memory, explicit, **how)
+    options, skipped = ranked(memory, asks, shape, link, rank, tries=tries)
+    on_gpu = [o for o in options if o.stage not in PARAMETER_OFFLOAD]
+    if on_gpu or how["quantization"]:
+        return Search(asks, shape, rank, options, skipped, tries)
+    # The bf16 weights fit the GPU with no stage: QLoRA's 4-bit ones compete with the offload.
+    extra = _tries(stages, memory, explicit, **how, planner_fallback=True)
+    quantized, _ = ranked(memory, asks, shape, link, rank, tries=extra)
+    if not quantized:
+        return Search(asks, shape, rank, options, skipped, tries)
+    both = sorted([*options, *quantized], key=lambda o: o.cost.total / o.cost.tokens)
+    merged = {stage: tries[stage] + extra[stage] for stage in stages}
+    return Search(asks, shape, rank, both, skipped, merged, fallback=bool(both[0].technique.quant))
 
 
 def _stage_and_profile(
@@ -116,6 +175,12 @@ def _stage_and_profile(
         why = f"the fastest predicted of {len(search.options)} candidates that fit" + (
             "; " + ", ".join(search.skipped) + " would not fit" if search.skipped else ""
         )
+    elif search is not None and search.options:
+        stage = asked
+        why = (
+            f"deepspeed={asked} given; the fastest predicted of its {len(search.options)} "
+            "candidates that fit"
+        )
     elif asked == "auto":
         stage, why = choose_stage(
             memory, model["cutoff_len"], facts["accelerator"], nnodes=facts["nnodes"]
@@ -130,6 +195,8 @@ def _stage_and_profile(
                 f"{gib_text(memory.host_budget)}: the kernel would kill the run. "
                 "Leave deepspeed to the planner (-e deepspeed=auto), or add nodes."
             )
+        if search is not None and asked != "auto":
+            _refuse_unfitting(search, memory, asked, request["numerics"])
     facts["deepspeed"] = stage
     profile, applied = apply_rules(settings.rules, facts)
     ruled = profile.pop("deepspeed", None)
@@ -141,6 +208,111 @@ def _stage_and_profile(
             )
         stage, why = str(ruled), f"set by a profile rule in {TRAINING_FILE}"
     return stage, why, profile, applied
+
+
+def _refuse_unfitting(search: Search, memory: Memory, stage: str, numerics: str) -> None:
+    """A stage asked for that fits with none of its techniques: what each would need."""
+    ask = search.asks[stage]
+    tried = (search.tries or {}).get(stage) or (PLAIN,)
+    needs = []
+    for technique in tried:
+        variant = replace(memory, technique=technique)
+        need = variant.need(stage, ask.cutoff, checkpointing=True)
+        needs.append(f"{technique.label() or 'plain'}: {gib_text(need)}")
+    raise PlanError(
+        f"The run does not fit the GPUs with deepspeed={stage}: one checkpointed row of "
+        f"{ask.cutoff} tokens needs, per GPU, " + "; ".join(needs) + f" (the budget is "
+        f"{gib_text(memory.budget)}). Use deepspeed=auto, a smaller cutoff_len, more GPUs"
+        + (", or -e numerics=measured (8-bit AdamW)" if numerics == "exact" else "")
+        + ". Nothing was changed on any node."
+    )
+
+
+def available_packages(nodes: Sequence[Mapping[str, Any]]) -> frozenset[str]:
+    """The optional packages (techniques.OPTIONAL) that every node's stack has."""
+    if not nodes:
+        return frozenset()
+    have = [{k for k, v in (n.get("packages") or {}).items() if v} for n in nodes]
+    return frozenset(set.intersection(*have))
+
+
+def check_quantization(
+    request: Mapping[str, Any],
+    model: Mapping[str, Any],
+    nodes: Sequence[Mapping[str, Any]],
+    accelerator: str,
+    available: frozenset[str],
+) -> None:
+    """QLoRA (-e quantization_bit=4) as measured: LoRA, plain DDP, NVIDIA GPUs, bitsandbytes on
+    every node, numerics not exact; PlanError naming what to change otherwise."""
+    bits = request["quantization_bit"]
+    problems = []
+    if model["finetuning_type"] != "lora":
+        problems.append(
+            f"QLoRA trains LoRA adapters on {bits}-bit frozen weights; this run is "
+            f"finetuning_type={model['finetuning_type']}: add -e finetuning_type=lora"
+        )
+    if (request.get("deepspeed") or "auto") not in ("auto", "none"):
+        problems.append(
+            f"QLoRA was measured with plain DDP only, not deepspeed={request['deepspeed']}: "
+            "leave deepspeed to the planner (-e deepspeed=auto)"
+        )
+    if request["numerics"] == "exact":
+        problems.append(
+            "4-bit weights change the run's numerics, and numerics=exact forbids every such "
+            "change: drop quantization_bit, or set -e numerics=measured"
+        )
+    if accelerator == "cpu":
+        problems.append("QLoRA's 4-bit kernels need NVIDIA GPUs; this cluster trains on CPUs")
+    elif "bitsandbytes" not in available:
+        lacking = [n["host"] for n in nodes if not (n.get("packages") or {}).get("bitsandbytes")]
+        problems.append(
+            f"QLoRA needs bitsandbytes, which {', '.join(lacking)} lack: run provision.yml "
+            "(the node stack installs it)"
+        )
+    if problems:
+        raise PlanError("QLoRA cannot be planned:\n- " + "\n- ".join(problems))
+
+
+def _technique(search: Search | None, stage: str) -> Technique:
+    """The technique of the fastest candidate of the chosen stage (plain where none)."""
+    if search is None:
+        return PLAIN
+    return next((o.technique for o in search.options if o.stage == stage), PLAIN)
+
+
+def _technique_line(
+    search: Search | None, technique: Technique, numerics: str, available: frozenset[str]
+) -> str:
+    """What the plan prints about the technique and the run's numerics."""
+    if search is None:
+        return "none (the search does not apply: no techniques planned)"
+    changes = technique.numerics_changes()
+    if technique.plain:
+        text = "none: the plain run is the fastest predicted that fits"
+    elif search.fallback:
+        text = (
+            f"{technique.label()}: chosen by the planner because the bf16 weights fit the GPU "
+            f"with no stage but {', '.join(PARAMETER_OFFLOAD)}, which the cost model predicts "
+            "slower"
+        )
+    else:
+        text = f"{technique.label()}: the fastest predicted candidate that fits"
+    if changes:
+        evidence = NUMERICS_EVIDENCE["qlora" if technique.quant else technique.optim]
+        text += (
+            f". Numerics: changes {', '.join(changes)} ({evidence}); -e numerics=exact forbids "
+            "every numerics change"
+        )
+    elif numerics == "exact":
+        text += ". Numerics: exact (no numerics change allowed, -e numerics=exact)"
+    missing = sorted({"bitsandbytes", "liger-kernel"} - set(available))
+    if missing:
+        text += (
+            f". Not considered: what needs {', '.join(missing)}, which not every node has "
+            "(provision.yml installs them)"
+        )
+    return text
 
 
 def _training_args(
@@ -166,6 +338,7 @@ def _training_args(
         batch = choose_batch(
             memory, stage, _batch_request(request, model, explicit, settings), cost
         )
+        computed.update(memory.technique.train_args())
         computed["per_device_train_batch_size"] = batch.micro
         computed["gradient_accumulation_steps"] = batch.accumulation
         if not batch.checkpointing:
@@ -203,6 +376,8 @@ def _training_args(
         step_seconds=cost(batch) if cost is not None else None,
         finetuning=str(model.get("finetuning_type") or "full"),
     )
+    if use and (memory.technique.liger or memory.technique.quant):
+        use, why = False, "not measured with Liger kernels or QLoRA"
     if use:
         computed["torch_compile"] = True
     decisions["torch_compile"] = "as set" if "torch_compile" in explicit else why
@@ -284,12 +459,19 @@ def assemble(
         "cutoff_len": model["cutoff_len"],
     }
     link, link_note = run_link(nodes) if accelerator != "cpu" else (None, "CPU cluster")
-    search = _searched(request, model, memory, facts=facts, settings=data, link=link)
+    available = available_packages(nodes)
+    if request.get("quantization_bit"):
+        check_quantization(request, model, nodes, accelerator, available)
+    search = _searched(
+        request, model, memory, facts=facts, settings=data, link=link, available=available
+    )
     stage, stage_why, profile, applied = _stage_and_profile(
         request, model, memory, facts=facts, settings=data, search=search
     )
     explicit = {**profile, **(model.get("train_args") or {}), **train_args}
     explicit.pop("cutoff_len", None)  # model.cutoff_len holds it
+    technique = _technique(search, stage)
+    memory = replace(memory, technique=technique)
     cost = None
     if search is not None:
         cost = search.cost_function(memory, stage, int(model["cutoff_len"]), link)
@@ -311,9 +493,15 @@ def assemble(
         allow_slow=bool(request.get("allow_slow_scaling")),
     )
     decisions["deepspeed"] = stage_why
+    decisions["technique"] = _technique_line(search, technique, request["numerics"], available)
     environment: dict[str, str] = {}
     # -e fp8=true, or fp8 in train_args (which alone would train in bf16: choose_fp8 says why).
     if request.get("fp8") or args.get("fp8") is True:
+        if request["numerics"] == "exact":
+            raise PlanError(
+                "FP8 changes the run's numerics, and numerics=exact forbids every such change. "
+                "Leave fp8 off, or set -e numerics=measured."
+            )
         fp8_args, environment, decisions["fp8"] = choose_fp8(nodes, accelerator, stage)
         args = {**args, **fp8_args}
     micro = int(args.get("per_device_train_batch_size", 1))
@@ -328,6 +516,15 @@ def assemble(
         "model": dict(model),
         "datasets": list(datasets),
         "deepspeed": stage,
+        # The memory-saving technique (planner/techniques.py) and the numerics policy.
+        "technique": {
+            "optim": technique.optim,
+            "liger": technique.liger,
+            "quantization_bit": technique.quant,
+            "label": technique.label() or "none",
+            "numerics_changes": technique.numerics_changes(),
+        },
+        "numerics": request["numerics"],
         "accelerator": accelerator,
         "nnodes": len(nodes),
         "nproc_per_node": nproc,
@@ -425,6 +622,7 @@ def summary(
             else f"(at most: samples of up to {model['cutoff_len']} tokens, padded)"
         ),
         f"DeepSpeed: {plan['deepspeed']} ({plan['decisions']['deepspeed']})",
+        f"Memory-saving technique: {plan['decisions']['technique']}",
         f"Gradient checkpointing: {'on' if plan['gradient_checkpointing'] else 'off'} "
         f"({plan['decisions']['checkpointing']})",
         f"Packing: {'on' if plan['packing'] else 'off'}; torch.compile: "

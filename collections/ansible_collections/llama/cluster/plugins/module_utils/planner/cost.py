@@ -20,6 +20,14 @@ untied input embedding, which is a lookup; N_t the trainable ones; L layers) cos
 - offload (ZeRO-3 with the optimizer and the parameters in host memory): DeepSpeed's CPU Adam
   instead of the GPU optimizer (N_t x `offload_step`) and the weights over PCIe every
   micro-batch (A N x `offload_micro`);
+- ZeRO-2 with the optimizer offloaded (ZeRO-Offload): DeepSpeed's CPU Adam over the trainable
+  weights and the updated bf16 weights copied back, once per step (N_t x `offload2_step`), and
+  every micro-batch's gradients copied to the host (A N x `offload2_micro`);
+- the memory-saving techniques (planner/techniques.py): bitsandbytes' 8-bit AdamW instead of fp32
+  AdamW (N_t x `optimizer_8bit`, measured alone: bench/gpu/optim_bench.py); Liger's kernels, whose
+  fused cross-entropy computes the logits in chunks instead of whole (A T V h x `liger/<kind>`,
+  fitted, and negative where the kernels are faster than what they replace); QLoRA's
+  dequantization of the 4-bit linear weights for every micro-batch (A N_linear x `qlora`);
 - communication (`communication`): the bytes each stage moves per step over the slowest link,
   ring arithmetic, plus a latency per collective and `comm_fixed` per step on more than one rank.
 
@@ -34,18 +42,34 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .measured_memory import Shape
+from .measured_memory import Shape, embedding_params
+from .techniques import PLAIN, Technique
 
 PEAK_FLOPS = 989e12  # H100/H200 SXM dense bf16 (datasheet): MFU is reported against it
 
 # Fitted by bench/gpu/fit_cost.py (seconds per unit; see the module docstring). `optimizer` is
 # measured, not fitted (torch.profiler: 26 ms of fused AdamW for 1.54 B fp32 weights); `cast`
 # (autocast's bf16 copies of the fp32 weights, per micro-batch) came out 0: the grid cannot tell
-# it from the FLOPs. flop/full is 64 % MFU, flop/lora 32 %: the per-layer term carries the rest.
+# it from the FLOPs. flop/full is 64 % MFU, flop/lora 38 %: the per-layer term carries the rest.
 COEFFICIENTS: dict[str, float] = {
+    # Issue 38 (bench/gpu/cards.py fit-cost on tests/data/cards_grid.json): offload2_step is
+    # DeepSpeed's CPU Adam alone (0.37 s for 1.54 B weights on the GPU machine's 16 cores: a host
+    # with fewer cores steps slower); the others are solved on the first point of each technique
+    # that ran alone, the rest held out (BENCHMARKS.md section 10). optimizer_8bit is 1.5 times
+    # what bitsandbytes' 8-bit step took alone (4.0e-11 s a weight). qlora came out 0: the 8B
+    # QLoRA point trained as fast as the plain LoRA rate predicts; liger/lora is negative:
+    # Liger's kernels made the 8B LoRA step faster.
+    "optimizer_8bit": 6.10583e-11,
+    "offload2_step": 2.41491e-10,
+    "offload2_micro": 2.98518e-10,
+    "liger/full": 2.08853e-14,
+    "liger/lora": -4.25049e-14,
+    "qlora": 0.0,
+    # The grid of issue 21 (bench/gpu/fit_cost.py); flop/lora refitted by cards.py fit-cost on
+    # that grid's LoRA points that ran alone (the first fit, on shared points, was 15-20 % slow).
     "cast": 0.0,
     "flop/full": 1.57502e-15,
-    "flop/lora": 3.16999e-15,
+    "flop/lora": 2.66571e-15,
     "layer": 0.00310971,
     "offload_micro": 2.38209e-10,
     "offload_step": 7.30317e-10,
@@ -76,7 +100,8 @@ HALF_BYTES, FULL_BYTES = 2.0, 4.0
 # The stage each cost term was measured with (zero0 is DDP under DeepSpeed, fsdp is planned as
 # ZeRO-3: both measured only as what they resemble).
 COST_STAGE = {"none": "none", "zero0": "none", "zero1": "zero1", "zero2": "zero2",
-              "zero3": "zero3", "fsdp": "zero3", "zero3_offload": "zero3_offload"}  # fmt: skip
+              "zero2_offload": "zero2_offload", "zero3": "zero3", "fsdp": "zero3",
+              "zero3_offload": "zero3_offload"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -92,6 +117,7 @@ class Setup:
     accumulation: int = 1
     lora_rank: int = 8
     half: bool = True
+    technique: Technique = PLAIN
 
     @property
     def engine_bytes(self) -> float:
@@ -134,12 +160,22 @@ def features(shape: Shape, setup: Setup, world: int = 1) -> dict[str, float]:
         f"flop/{kind}": a * t * per_token * flop_params(shape),
         "layer": a * shape.layers,
     }
+    if setup.technique.liger:
+        terms[f"liger/{kind}"] = a * t * shape.vocab * shape.hidden
+    if setup.technique.quant:
+        terms["qlora"] = a * (shape.params - embedding_params(shape))
+    if measured == "zero2_offload":
+        terms["offload2_step"] = trainable / max(1, world)
+        terms["offload2_micro"] = a * shape.params
+        terms["zero2"] = a * trainable
+        return terms
     if measured == "zero3_offload":
         terms["offload_step"] = trainable
         terms["offload_micro"] = a * shape.params
         terms["zero3_layer"] = a * shape.layers
         return terms
-    terms["optimizer"] = trainable if measured == "none" else trainable / max(1, world)
+    optimizer = "optimizer_8bit" if setup.technique.optim == "adamw_8bit" else "optimizer"
+    terms[optimizer] = trainable if measured == "none" else trainable / max(1, world)
     if measured == "none" and kind == "full":  # autocast casts the fp32 weights to bf16
         terms["cast"] = a * shape.params
     if measured == "zero2":
@@ -220,7 +256,7 @@ def traffic(shape: Shape, setup: Setup, world: int) -> Traffic:
             2 * buckets,
             "gradients all-reduced and weights gathered once per optimizer step",
         )
-    if measured == "zero2":
+    if measured in ("zero2", "zero2_offload"):
         weights = trainable * setup.engine_bytes
         return Traffic(
             a * ring * grads + half * weights,

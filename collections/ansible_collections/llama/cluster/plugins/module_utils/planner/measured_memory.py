@@ -34,6 +34,24 @@ host memory first (`host.load` bytes per parameter); ZeRO-3 with offload keeps t
 weights, gradients, AdamW states and pinned buffers there (`host.offload_full`,
 `host.offload_lora` bytes per parameter, the frozen weights of a LoRA run included).
 `host.base_gib`: the process itself (torch, transformers, the data pipeline).
+
+The memory-saving techniques of issue 38 (planner/techniques.py; the cards grid of
+tests/data/cards_grid.json, BENCHMARKS.md section 10) change three terms:
+
+- `adamw_8bit`: bitsandbytes' 8-bit AdamW holds about 2 bytes of state a parameter instead of 8:
+  each moment holds `adamw_8bit/<moment>` bytes per trainable parameter fewer (the step's saving
+  is smaller: the 8-bit step's own buffers);
+- Liger's fused linear cross-entropy never holds a micro-batch's logits whole: `vocab` gives way
+  to `vocab_liger` per token and vocabulary entry (what the lm_head's fp32 gradient and the
+  kernel's chunks hold instead);
+- QLoRA: the decoder's linear weights are 4-bit (`qlora_linear` bytes each, quantization
+  constants included), the embedding and lm_head stay bf16 (`qlora_embedding`), instead of the
+  LoRA run's per-parameter terms; activations as LoRA's.
+
+ZeRO-2 with the optimizer offloaded (`zero2_offload`, ZeRO-Offload proper) holds the bf16 weights
+and the gradient buckets on the GPU (`step/full/zero2_offload`, `backward/full/zero2_offload`);
+the host holds the fp32 master weights, gradients and AdamW states and DeepSpeed's pinned buffers
+(`host.offload2_full` bytes per parameter and `host.offload2_base_gib`).
 """
 
 from __future__ import annotations
@@ -41,11 +59,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .techniques import PLAIN, Technique
+
 GIB = 1024**3
 
 # The DeepSpeed stages measured (none: plain DDP / one process); zero3_offload offloads both the
 # optimizer states and the parameters (the project's ds_config.json).
-STAGES = ("none", "zero2", "zero3", "zero3_offload")
+STAGES = ("none", "zero2", "zero2_offload", "zero3", "zero3_offload")
 FINETUNING = ("full", "lora")
 
 # Fitted by bench/gpu/fit_memory.py on the fit half of tests/data/memory_grid.json (the module
@@ -54,6 +74,18 @@ FINETUNING = ("full", "lora")
 # embedding value: offload_embedding; GiB: *_gib. Not fitted: checkpointed_layer_hidden_* (the
 # saved input's dtype) and step/lora/* (the frozen bf16 weights: no fitted point peaks there).
 COEFFICIENTS: dict[str, float] = {
+    # Issue 38's techniques: fitted by bench/gpu/cards.py on the fit half of
+    # tests/data/cards_grid.json with the coefficients below held (qlora_embedding: bf16, known).
+    "adamw_8bit/backward": 4.9363,
+    "adamw_8bit/step": 5.0256,
+    "vocab_liger": 0.4782,
+    "qlora_linear": 0.3694,
+    "qlora_embedding": 2.0,
+    "step/full/zero2_offload": 1.9696,
+    "backward/full/zero2_offload": 1.9696,
+    "host.offload2_full": 16.88,
+    "host.offload2_base_gib": 9.87,
+    # The grid of issue 21 (bench/gpu/fit_memory.py).
     "allocator_headroom": 1.08,
     "backward/full/none": 13.2537,
     "backward/full/zero2": 13.347,
@@ -109,10 +141,23 @@ class Shape:
 def _check(finetuning: str, stage: str) -> None:
     if finetuning not in FINETUNING or stage not in STAGES:
         raise ValueError(f"no measurements for {finetuning} fine-tuning with stage {stage}")
+    if stage == "zero2_offload" and finetuning != "full":
+        raise ValueError(f"no measurements for {finetuning} fine-tuning with stage {stage}")
+
+
+def embedding_params(shape: Shape) -> float:
+    """Values of the input embedding and the lm_head (one matrix when tied)."""
+    return float(shape.vocab * shape.hidden * (1 if shape.tied else 2))
 
 
 def features(
-    shape: Shape, finetuning: str, stage: str, checkpointing: bool, tokens: int
+    shape: Shape,
+    finetuning: str,
+    stage: str,
+    checkpointing: bool,
+    tokens: int,
+    *,
+    technique: Technique = PLAIN,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """The linear terms of the two moments of a step: (optimizer step, backward).
 
@@ -134,15 +179,25 @@ def features(
     }
     if checkpointing:
         act[f"checkpointed_layer_hidden_{width}"] = t * shape.layers * shape.hidden
-    act["vocab"] = t * shape.vocab  # the logits are never checkpointed
-    step = {f"step/{group}": n, "overhead_gib": float(GIB)}
+    # The logits are never checkpointed; Liger's fused cross-entropy never holds them whole.
+    act["vocab_liger" if technique.liger else "vocab"] = t * shape.vocab
+    weights = {f"{{moment}}/{group}": n}
+    if technique.quant:  # QLoRA: 4-bit linear weights, bf16 embedding and lm_head
+        embedding = embedding_params(shape)
+        weights = {"qlora_linear": n - embedding, "qlora_embedding": embedding}
+    if technique.optim == "adamw_8bit":  # 8-bit AdamW states: fewer bytes at both moments
+        weights["adamw_8bit/{moment}"] = -n if finetuning == "full" else 0.0
+
+    def held(moment: str) -> dict[str, float]:
+        return {key.format(moment=moment): value for key, value in weights.items()}
+
+    step = {**held("step"), "overhead_gib": float(GIB)}
     if stage == "zero3_offload":
         # The weights live in host memory; the GPU gathers a few layers at a time, and the
         # embedding and lm_head matrices (the largest single tensors) whole, with their gradients.
-        embeddings = shape.vocab * shape.hidden * (1 if shape.tied else 2)
-        backward = {"offload_embedding": float(embeddings), "overhead_gib": float(GIB), **act}
+        backward = {"offload_embedding": embedding_params(shape), "overhead_gib": float(GIB), **act}
         return step, backward
-    backward = {f"backward/{group}": n, "overhead_gib": float(GIB), **act}
+    backward = {**held("backward"), "overhead_gib": float(GIB), **act}
     return step, backward
 
 
@@ -158,10 +213,11 @@ def gpu_bytes(
     checkpointing: bool,
     tokens: int,
     *,
+    technique: Technique = PLAIN,
     coefficients: Mapping[str, float] = COEFFICIENTS,
 ) -> float:
     """Peak bytes torch allocates on the GPU of one process (max_memory_allocated)."""
-    step, backward = features(shape, finetuning, stage, checkpointing, tokens)
+    step, backward = features(shape, finetuning, stage, checkpointing, tokens, technique=technique)
     return max(dot(step, coefficients), dot(backward, coefficients)) * coefficients["margin"]
 
 
@@ -179,6 +235,9 @@ def host_bytes(
     """Peak resident host memory of one training process (VmHWM)."""
     _check(finetuning, stage)
     per_param = coefficients["host.load"]
+    base = coefficients["host.base_gib"]
     if stage == "zero3_offload":
         per_param = coefficients[f"host.offload_{finetuning}"]
-    return coefficients["host.base_gib"] * GIB + per_param * shape.params
+    elif stage == "zero2_offload":
+        per_param, base = coefficients["host.offload2_full"], coefficients["host.offload2_base_gib"]
+    return base * GIB + per_param * shape.params

@@ -12,8 +12,12 @@ Several processes are extrapolated from it by how each stage splits its per-para
 - zero2: the bf16 weights stay whole, the rest (fp32 master weights, gradients, AdamW) is split;
 - zero1 (measured as zero2: on one GPU they hold the same): the bf16 weights and gradients stay
   whole, the fp32 master weights and AdamW are split;
+- zero2_offload: as zero2 on the GPU; host memory holds 1/world of the optimizer's state;
 - zero3: everything per-parameter is split over the world;
 - zero3_offload: nothing per-parameter on the GPU; host memory holds 1/world of the offload.
+
+The memory-saving techniques (planner/techniques.py: 8-bit AdamW, Liger, QLoRA) were measured
+with plain DDP on one GPU (tests/data/cards_grid.json); `technique` is the candidate's.
 
 Fine-tuning `freeze` is planned as LoRA (frozen bf16 bulk; not measured), `zero0` as none and
 `fsdp` as zero3.
@@ -26,11 +30,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import measured_memory as measured
+from .techniques import PLAIN, Technique
 
 GIB = 1024**3
 BF16 = 2.0  # bytes of a bf16 weight: what ZeRO-2 keeps whole on every rank
 MEASURED_STAGE = {"none": "none", "zero0": "none", "zero1": "zero2", "zero2": "zero2",
-                  "zero3": "zero3", "fsdp": "zero3", "zero3_offload": "zero3_offload"}  # fmt: skip
+                  "zero2_offload": "zero2_offload", "zero3": "zero3", "fsdp": "zero3",
+                  "zero3_offload": "zero3_offload"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,7 @@ class Memory:
     budget: float | None
     host_budget: float | None = None
     nproc: int = 1
+    technique: Technique = PLAIN
 
     @staticmethod
     def usable(gpu_gib: float) -> float:
@@ -75,7 +82,7 @@ class Memory:
                 c[key] = c[key] / world
             elif stage == "zero1":  # the gradients stay whole beside the weights until the step
                 c[key] = 2 * BF16 + (c[key] - 2 * BF16) / world
-            elif MEASURED_STAGE[stage] == "zero2":
+            elif MEASURED_STAGE[stage] in ("zero2", "zero2_offload"):
                 c[key] = BF16 + (c[key] - BF16) / world
             elif self._kind() == "full":  # DDP's gradient buckets beside every rank's state
                 c[key] = c[key] + float(self.coefficients["ddp_bucket_bytes_per_param"])
@@ -120,6 +127,7 @@ class Memory:
             measured_stage,
             checkpointing,
             tokens,
+            technique=self.technique,
             coefficients=self._coefficients(stage),
         )
 
@@ -129,12 +137,16 @@ class Memory:
 
     def host_need(self, stage: str) -> float:
         """Bytes of host memory the node's `nproc` training processes hold together: each loads
-        the bf16 weights; with zero3_offload each also holds 1/world of the offloaded state."""
+        the bf16 weights; with zero3_offload each also holds 1/world of the offloaded state,
+        with zero2_offload 1/world of the optimizer's state and DeepSpeed's pinned buffers."""
         c = measured.COEFFICIENTS
-        per_param = c["host.load"]
+        per_param, base = c["host.load"], c["host.base_gib"]
         if MEASURED_STAGE[stage] == "zero3_offload":
             per_param = max(per_param, c[f"host.offload_{self._kind()}"] / self.world)
-        return self.nproc * (c["host.base_gib"] * GIB + per_param * self.params)
+        elif MEASURED_STAGE[stage] == "zero2_offload":
+            per_param = max(per_param, c["host.offload2_full"] / self.world)
+            base = c["host.offload2_base_gib"]
+        return self.nproc * (base * GIB + per_param * self.params)
 
     def host_fits(self, stage: str) -> bool:
         """Whether the node's processes fit its host memory (always, where it is not known)."""

@@ -10,6 +10,7 @@ from typing import Any
 from .errors import PlanError
 from .links import node_links
 from .schema import AT_LEAST_1, POSITIVE, show
+from .techniques import OPTIONAL
 
 
 def _get(mapping: Any, key: str, default: Any = None) -> Any:  # noqa: ANN401 - Ansible's hostvars
@@ -158,6 +159,10 @@ def describe_nodes(
                 "host_memory_source": host_source,
                 "compute_capability": node_compute_capability(hostvars[host]),
                 "torchao": local_facts(hostvars[host], "llama_stack").get("torchao"),
+                # The optional packages the memory-saving techniques need (techniques.OPTIONAL).
+                "packages": {
+                    name: local_facts(hostvars[host], "llama_stack").get(name) for name in OPTIONAL
+                },
                 "links": node_links(
                     local_facts(hostvars[host], "llama_links"),
                     _knob(host, hostvars[host], "link_gbps", "Gbit/s"),

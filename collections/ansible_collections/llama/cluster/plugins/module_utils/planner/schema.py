@@ -11,11 +11,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import CATALOGUE_FILE, TRAINING_FILE, PlanError
+from .techniques import NUMERICS, QUANTIZATION_BITS
 
 FINETUNING_TYPES = ("lora", "freeze", "full")
 # What -e deepspeed may name besides auto: plain DDP, the DeepSpeed stages roles/run_config renders
 # a ds_config.json for (its vars/main.yml), and FSDP.
-DEEPSPEED_STAGES = ("none", "zero0", "zero1", "zero2", "zero3", "zero3_offload", "fsdp")
+DEEPSPEED_STAGES = (
+    "none",
+    "zero0",
+    "zero1",
+    "zero2",
+    "zero2_offload",
+    "zero3",
+    "zero3_offload",
+    "fsdp",
+)
 LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target")
 
 
@@ -80,6 +90,33 @@ class Flag:
         raise ValueError
 
 
+@dataclass(frozen=True)
+class Choice:
+    """One of a few values (numbers given as text, as -e key=value gives them, are read as
+    numbers where the choices are numbers)."""
+
+    values: tuple[Any, ...]
+    note: str = ""
+
+    def describe(self) -> str:
+        """What is allowed, in words."""
+        text = "one of " + ", ".join(str(v) for v in self.values)
+        return text + (f" ({self.note})" if self.note else "")
+
+    def coerce(self, value: Any) -> Any:  # noqa: ANN401 - any user value
+        """The value as one of the choices; ValueError when it is none."""
+        for choice in self.values:
+            if isinstance(choice, int) and not isinstance(value, bool):
+                try:
+                    if _as_number(value) == choice:
+                        return choice
+                except ValueError:
+                    continue
+            elif isinstance(value, str) and value.strip().lower() == str(choice):
+                return choice
+        raise ValueError
+
+
 def as_flag(value: object) -> bool:
     """A setting's boolean as YAML gives it, or as -e does (a string: "1", "true", "yes", "on"
     are true). Lenient, for the project's own settings; a user's request is checked by Flag."""
@@ -113,7 +150,7 @@ FRACTION = Number(integer=False, low=0, high=1, high_open=True)
 
 # LLaMA-Factory training arguments (train_args) that are numbers or flags. Keys not listed pass
 # through to LLaMA-Factory unchecked, which validates them itself when the run starts.
-TRAIN_ARGS_SCHEMA: dict[str, Number | Flag] = {
+TRAIN_ARGS_SCHEMA: dict[str, Number | Flag | Choice] = {
     "learning_rate": POSITIVE,
     "num_train_epochs": POSITIVE,
     "max_steps": Number(integer=True, low=1, extra=(-1,), note="-1: train num_train_epochs"),
@@ -138,6 +175,7 @@ TRAIN_ARGS_SCHEMA: dict[str, Number | Flag] = {
     "max_samples": AT_LEAST_1,
     "seed": AT_LEAST_0,
     "ddp_timeout": AT_LEAST_1,
+    "quantization_bit": Choice((4,), "the QLoRA precision measured: 4"),
     "preprocessing_num_workers": AT_LEAST_1,
     "dataloader_num_workers": AT_LEAST_0,
     **{
@@ -164,7 +202,7 @@ TRAIN_ARGS_SCHEMA: dict[str, Number | Flag] = {
 # The run's own inputs (-e name=value): schema, where the user sets it, and the value when it
 # is not given (None or ""); a default of None means "unknown" (MISSING: required).
 MISSING = object()
-RUN_SCHEMA: dict[str, tuple[Number | Flag, str, Any]] = {
+RUN_SCHEMA: dict[str, tuple[Number | Flag | Choice, str, Any]] = {
     "cutoff_len": (
         Number(integer=True, low=1, extra=(0,), note="0: the catalogue's"),
         "-e cutoff_len",
@@ -177,10 +215,20 @@ RUN_SCHEMA: dict[str, tuple[Number | Flag, str, Any]] = {
     "trust_remote_code": (Flag(), "-e trust_remote_code", False),
     "allow_slow_scaling": (Flag(), "-e allow_slow_scaling", False),
     "fp8": (Flag(), "-e fp8", False),
+    "quantization_bit": (
+        Choice((0, *QUANTIZATION_BITS), "4: QLoRA, 4-bit weights through bitsandbytes"),
+        "-e quantization_bit",
+        0,
+    ),
+    "numerics": (
+        Choice(NUMERICS, "exact forbids every change of the run's numerics"),
+        "-e numerics (training_numerics)",
+        "measured",
+    ),
 }
 
 
-def _bad(where: str, value: Any, spec: Number | Flag) -> str:  # noqa: ANN401 - any user value
+def _bad(where: str, value: Any, spec: Number | Flag | Choice) -> str:  # noqa: ANN401
     return f"{where} = {show(value)} (must be {spec.describe()})"
 
 
@@ -272,6 +320,9 @@ def check_request(
             out[key] = spec.coerce(value)
         except (ValueError, TypeError):
             problems.append(_bad(where, value, spec))
+    # QLoRA asked in train_args is asked for the plan too (the search then plans its memory).
+    if out["train_args"].get("quantization_bit") and not out.get("quantization_bit"):
+        out["quantization_bit"] = out["train_args"]["quantization_bit"]
     if not isinstance(request.get("model_config") or {}, Mapping):
         problems.append("run_config_model_config must be the parsed config.json (a mapping)")
     if problems:

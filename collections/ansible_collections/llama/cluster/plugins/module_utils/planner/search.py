@@ -1,8 +1,11 @@
-"""The search: every candidate (DeepSpeed stage, checkpointing, micro-batch and accumulation
-within the user's tokens per step) that fits the memory model's GPU and host budgets, ranked by
-the cost model's predicted step time (`ranked`); the predicted scaling over 1..N nodes
-(`scaling`); and the go/no-go that refuses a run whose nodes would scale backwards or below
-MIN_EFFICIENCY of linear (`go_no_go`).
+"""The search: every candidate (DeepSpeed stage, memory-saving technique, checkpointing,
+micro-batch and accumulation within the user's tokens per step) that fits the memory model's GPU
+and host budgets, ranked by the cost model's predicted step time (`ranked`); the predicted
+scaling over 1..N nodes (`scaling`); and the go/no-go that refuses a run whose nodes would scale
+backwards or below MIN_EFFICIENCY of linear (`go_no_go`).
+
+The techniques each stage tries (`tries`: stage -> techniques, planner/techniques.py) are the
+measured ones the numerics policy allows; a stage without techniques tries the plain run.
 
 The tokens per optimizer step are the user's: every candidate splits the same rows per process
 into micro-batch x accumulation, and candidates are ranked by seconds per token.
@@ -25,15 +28,19 @@ from .errors import PlanError
 from .links import CHECK
 from .measured_memory import Shape
 from .memory import Memory, gib_text
+from .techniques import PLAIN, Technique
 
 # The stages the search tries, by fine-tuning type. ZeRO-1 and ZeRO-2 split nothing that a LoRA
 # run holds much of (its optimizer state is the adapter's), so LoRA skips them.
 SEARCH_STAGES = {
-    "full": ("none", "zero1", "zero2", "zero3", "zero3_offload"),
+    "full": ("none", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"),
     "lora": ("none", "zero3", "zero3_offload"),
     "freeze": ("none", "zero3", "zero3_offload"),
 }
 MIN_EFFICIENCY = 0.6  # of linear scaling, below which train.yml refuses (issue 22)
+
+
+Tries = Mapping[str, tuple[Technique, ...]]
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,15 @@ class Option:
     batch: Batch
     cost: StepCost
     setup: Setup
+
+    @property
+    def technique(self) -> Technique:
+        return self.setup.technique
+
+    @property
+    def variant(self) -> tuple[str, Technique]:
+        """What the runner-up must differ in: the stage or the technique."""
+        return self.stage, self.technique
 
     @classmethod
     def of(
@@ -61,10 +77,13 @@ class Option:
         return cls(stage, batch, step_cost(search.shape, how, world=memory.world, link=link), how)
 
     def label(self) -> str:
-        """deepspeed=zero2, 4 x 2 rows, checkpointing off."""
+        """deepspeed=none, 8-bit AdamW, micro-batch 2 x accumulation 2, checkpointing on."""
+        technique = self.technique.label()
         return (
-            f"deepspeed={self.stage}, micro-batch {self.batch.micro} x accumulation "
-            f"{self.batch.accumulation}, checkpointing "
+            f"deepspeed={self.stage}, "
+            + (f"{technique}, " if technique else "")
+            + f"micro-batch {self.batch.micro} x accumulation {self.batch.accumulation}, "
+            + "checkpointing "
             + ("on" if self.batch.checkpointing else "off")
         )
 
@@ -81,18 +100,22 @@ class Option:
 @dataclass(frozen=True)
 class Search:
     """What the search tried: each stage's batch request, the model's shape, the LoRA rank, the
-    candidates that fit (fastest first) and the stages that did not fit."""
+    candidates that fit (fastest first), the stages that did not fit, the techniques each stage
+    tried, and whether they were the fallback (QLoRA where no bf16 candidate fit)."""
 
     asks: Mapping[str, BatchRequest]
     shape: Shape
     rank: int
     options: list[Option]
     skipped: list[str]
+    tries: Tries | None = None
+    fallback: bool = False
 
     def cost_function(
         self, memory: Memory, stage: str, cutoff: int, link: Link | None
     ) -> Callable[[Batch], float]:
-        """A batch's predicted step time under `stage` (choose_batch ranks by it)."""
+        """A batch's predicted step time under `stage` and the memory's technique (choose_batch
+        ranks by it)."""
 
         def seconds(batch: Batch) -> float:
             how = setup(memory, stage, batch, cutoff, self.rank)
@@ -102,7 +125,7 @@ class Search:
 
 
 def setup(memory: Memory, stage: str, batch: Batch, cutoff: int, lora_rank: int) -> Setup:
-    """What the cost model reads of a candidate."""
+    """What the cost model reads of a candidate (its technique is the memory's)."""
     return Setup(
         finetuning="full" if memory.finetuning == "full" else "lora",
         stage=stage,
@@ -110,6 +133,7 @@ def setup(memory: Memory, stage: str, batch: Batch, cutoff: int, lora_rank: int)
         micro_tokens=batch.micro * cutoff,
         accumulation=batch.accumulation,
         lora_rank=lora_rank,
+        technique=memory.technique,
     )
 
 
@@ -119,32 +143,50 @@ def ranked(
     shape: Shape,
     link: Link | None,
     lora_rank: int,
+    *,
+    tries: Tries | None = None,
 ) -> tuple[list[Option], list[str]]:
-    """Every candidate of the stages in `asks` (stage -> its batch request) that fits both
-    budgets, fastest first (the stage order of `asks` among equals), and why each stage left
-    out did not fit."""
+    """Every candidate of the stages in `asks` (stage -> its batch request) and their techniques
+    (`tries`: a stage it does not name tries nothing; None: every stage the plain run) that fits
+    both budgets, fastest first (the order of `asks` and `tries` among equals), and why each
+    stage left out did not fit."""
     options, skipped = [], []
     for stage, ask in asks.items():
-        if not memory.host_fits(stage):
-            skipped.append(f"{stage} ({gib_text(memory.host_need(stage))} of host memory)")
-            continue
-        try:
-            batches = batch_options(memory, stage, ask)
-        except PlanError:
-            need = memory.need(stage, ask.cutoff, checkpointing=True)
-            skipped.append(f"{stage} ({gib_text(need)} of GPU memory)")
-            continue
-        for batch in batches:
-            how = setup(memory, stage, batch, ask.cutoff, lora_rank)
-            cost = step_cost(shape, how, world=memory.world, link=link)
-            options.append(Option(stage, batch, cost, how))
+        fitted = False
+        recomputes: dict[str, bool] = {}  # optimizer -> its run without Liger must recompute
+        for technique in (PLAIN,) if tries is None else tries.get(stage, ()):
+            variant = replace(memory, technique=technique)
+            if not variant.host_fits(stage):
+                continue
+            try:
+                batches = batch_options(variant, stage, ask)
+            except PlanError:
+                recomputes.setdefault(technique.optim, True)
+                continue
+            if not technique.liger:
+                recomputes[technique.optim] = all(b.checkpointing for b in batches)
+            elif not recomputes.get(technique.optim, True):
+                continue  # Liger was measured where memory is short, not where it is plenty
+            batches = [b for b in batches if technique.allows(b.checkpointing)]
+            fitted = fitted or bool(batches)
+            for batch in batches:
+                how = setup(variant, stage, batch, ask.cutoff, lora_rank)
+                cost = step_cost(shape, how, world=memory.world, link=link)
+                options.append(Option(stage, batch, cost, how))
+        if not fitted:
+            if not memory.host_fits(stage):
+                skipped.append(f"{stage} ({gib_text(memory.host_need(stage))} of host memory)")
+            else:
+                need = memory.need(stage, ask.cutoff, checkpointing=True)
+                skipped.append(f"{stage} ({gib_text(need)} of GPU memory)")
     options.sort(key=lambda o: o.cost.total / o.cost.tokens)
     return options, skipped
 
 
 def runner_up(options: list[Option]) -> Option | None:
-    """The best candidate of another stage than the winner's, else the second best."""
-    others = [o for o in options[1:] if o.stage != options[0].stage]
+    """The best candidate of another stage or technique than the winner's, else the second
+    best."""
+    others = [o for o in options[1:] if o.variant != options[0].variant]
     return others[0] if others else (options[1] if len(options) > 1 else None)
 
 
@@ -182,6 +224,7 @@ def scaling(
     *,
     nnodes: int,
     nproc: int,
+    tries: Tries | None = None,
 ) -> list[Scale]:
     """The best plan's predicted tokens/s on 1..nnodes nodes, and its share of linear scaling
     from the fewest nodes it fits on (there: compute over compute plus communication)."""
@@ -189,7 +232,12 @@ def scaling(
     for k in range(1, nnodes + 1):
         world = k * nproc
         options, _ = ranked(
-            replace(memory, world=world), asks, shape, link if k > 1 else None, lora_rank
+            replace(memory, world=world),
+            asks,
+            shape,
+            link if k > 1 else None,
+            lora_rank,
+            tries=tries,
         )
         best = options[0] if options else None
         tps = best.cost.tokens_per_second(world) if best else None
@@ -291,8 +339,8 @@ def assess(
     others = [
         o
         for o in search.options
-        if (o.stage, o.batch.micro, o.batch.checkpointing)
-        != (chosen.stage, chosen.batch.micro, chosen.batch.checkpointing)
+        if (o.variant, o.batch.micro, o.batch.checkpointing)
+        != (chosen.variant, chosen.batch.micro, chosen.batch.checkpointing)
     ]
     other = runner_up([chosen, *others]) if others else None
     lines.append(
@@ -319,7 +367,14 @@ def assess(
         return result, lines
     lines.append(f"Link between nodes: {link.bandwidth * 8 / 1e9:g} Gbit/s ({link.source})")
     scales = scaling(
-        memory, search.asks, search.shape, link, search.rank, nnodes=nnodes, nproc=nproc
+        memory,
+        search.asks,
+        search.shape,
+        link,
+        search.rank,
+        nnodes=nnodes,
+        nproc=nproc,
+        tries=search.tries,
     )
     scales[-1] = replace(
         scales[-1],
@@ -382,7 +437,15 @@ def _ways_out(
     if memory.finetuning == "full" and "none" in search.asks:
         lora = replace(memory, finetuning="lora")
         asks = {s: search.asks["none"] for s in SEARCH_STAGES["lora"]}
-        verdict = _verdict(lora, asks, search, link=link, nnodes=nnodes, nproc=nproc)
+        verdict = _verdict(
+            replace(lora, technique=PLAIN),
+            asks,
+            search,
+            link=link,
+            nnodes=nnodes,
+            nproc=nproc,
+            tries=dict.fromkeys(asks, (PLAIN,)),
+        )
         if verdict:
             ways.append(f"LoRA (-e finetuning_type=lora): {verdict}")
     ask = next(iter(search.asks.values()))
@@ -437,10 +500,20 @@ def _verdict(
     nnodes: int,
     nproc: int,
     need_pass: bool = False,
+    tries: Tries | None = None,
 ) -> str:
     """'87 % of linear, 12,000 tokens/s' for that variant on nnodes nodes ('' if nothing fits,
-    or if need_pass and it would still be refused)."""
-    scales = scaling(memory, asks, search.shape, link, search.rank, nnodes=nnodes, nproc=nproc)
+    or if need_pass and it would still be refused); `tries`: the search's unless given."""
+    scales = scaling(
+        memory,
+        asks,
+        search.shape,
+        link,
+        search.rank,
+        nnodes=nnodes,
+        nproc=nproc,
+        tries=search.tries if tries is None else tries,
+    )
     last = scales[-1]
     if last.tokens_per_s is None or (need_pass and go_no_go(scales)):
         return ""
