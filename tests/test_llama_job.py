@@ -241,14 +241,20 @@ def pair_factory(tmp_path: Path):
 # ---------------------------------------------------------------------------------------------
 # Decisions
 # ---------------------------------------------------------------------------------------------
+def _failure(node: str, kind: protocol.FailureKind, at_s: float, *errors: str) -> protocol.Failure:
+    return protocol.Failure(node, kind, "it failed", at_s=at_s, errors=errors)
+
+
 def test_the_culprit_is_the_node_whose_failure_is_its_own():
-    echo = {"node": "m", "kind": "exited", "at_s": 1.0, "errors": ["Connection closed by peer"]}
-    cause = {"node": "w", "kind": "exited", "at_s": 2.0, "errors": ["Signal 9 (SIGKILL) received"]}
-    assert master.choose_culprit([echo, cause])["node"] == "w"
-    gone = {"node": "w", "kind": "vanished", "at_s": 3.0, "errors": []}
-    assert master.choose_culprit([echo, gone])["node"] == "w"
-    stop = {"node": "m", "kind": "stopped", "at_s": 9.0, "errors": []}
-    assert master.choose_culprit([cause, stop])["kind"] == "stopped"
+    kinds = protocol.FailureKind
+    echo = _failure("m", kinds.EXITED, 1.0, "Connection closed by peer")
+    cause = _failure("w", kinds.EXITED, 2.0, "Signal 9 (SIGKILL) received")
+    assert master.choose_culprit([echo, cause]) == cause
+    gone = _failure("w", kinds.VANISHED, 3.0)
+    assert master.choose_culprit([echo, gone]) == gone
+    stop = _failure("m", kinds.STOPPED, 9.0)
+    assert master.choose_culprit([cause, stop]) == stop
+    assert master.choose_culprit([]) is None
 
 
 def test_a_stall_needs_the_floor_or_ten_median_steps():
@@ -932,44 +938,75 @@ def _pair(tmp: Path, out: dict[str, Path]) -> Pair:
     return Pair(tmp, restarts=1, steps=8, worker_env=fail, spec_extra=extra)
 
 
-def test_every_node_resumes_from_the_latest_checkpoint_all_of_them_hold(tmp_path: Path):
-    # node m holds 10, 20 and 30; node w 10 and 20, and a 30 cut off while being written.
+# A resumed run (train.yml -e resume=true: the spec's `resume`) takes the restart's way in: the
+# master gathers every node's checkpoints before its first attempt, applies the same rule
+# (master.py continue_run), and every node sets the newer ones aside and resumes from that step.
+
+
+def _resumed(tmp: Path, out: dict[str, Path]) -> Pair:
+    extra = {
+        h: {"checkpoints_dir": str(d), "resume_argument": RESUME, "resume": True}
+        for h, d in out.items()
+    }
+    return Pair(tmp, steps=3, spec_extra=extra)
+
+
+@pytest.mark.parametrize("resumed", [False, True], ids=["restart", "resume"])
+def test_every_node_continues_from_the_latest_checkpoint_all_of_them_hold(
+    tmp_path: Path, resumed: bool
+):
+    # node m holds 10, 20 and 30; node w 10 and 20, and a 30 cut off while being written. A
+    # restart (after the worker's failure at step 3) and a resumed run pick the same checkpoint
+    # and set the same ones aside: only the set-aside directory's name and the attempt differ.
     out = _checkpoints(
         tmp_path, {"m": {10: True, 20: True, 30: True}, "w": {10: True, 20: True, 30: False}}
     )
-    pair = _pair(tmp_path, out)
+    pair = _resumed(tmp_path, out) if resumed else _pair(tmp_path, out)
+    attempt, stamp = (1, r"resume-\d{8}-\d{6}") if resumed else (2, "restart-2")
     try:
         pair.wait_ended(timeout=90)
-        master = pair.state("m")
-        assert master["phase"] == "succeeded", pair.logs()
-        assert [r["checkpoint"] for r in master["restarts"]] == ["checkpoint-20"]
+        master_state = pair.state("m")
+        assert master_state["phase"] == "succeeded", pair.logs()
+        assert master_state["attempt"] == attempt
+        restarts = [r["checkpoint"] for r in master_state["restarts"]]
+        assert restarts == ([] if resumed else ["checkpoint-20"])  # a resume is no restart
         for host, directory in out.items():
             log = (tmp_path / f"{host}.log").read_text()
-            assert f"{RESUME.split('{', maxsplit=1)[0]}{directory}/checkpoint-20" in log, log
+            assert f"attempt {attempt} resumes from checkpoint-20" in log, log
+            assert f"resume_from_checkpoint={directory}/checkpoint-20" in log, log
             assert sorted(p.name for p in directory.iterdir()) == ["checkpoint-10", "checkpoint-20"]
-            aside = directory.parent / "set-aside" / "restart-2" / "checkpoint-30"
-            assert (aside / "weights").read_text() == f"{host} 30"  # moved, not deleted
+            (aside,) = (directory.parent / "set-aside").iterdir()
+            assert re.fullmatch(stamp, aside.name)
+            assert (aside / "checkpoint-30" / "weights").read_text() == f"{host} 30"  # not deleted
         assert "checkpoint-30 (not on every node) on m" in (tmp_path / "m.log").read_text()
     finally:
         pair.close()
 
 
-def test_without_a_checkpoint_on_every_node_the_restart_is_refused_and_nothing_moves(
-    tmp_path: Path,
+@pytest.mark.parametrize("resumed", [False, True], ids=["restart", "resume"])
+def test_without_a_checkpoint_on_every_node_the_run_fails_and_nothing_moves(
+    tmp_path: Path, resumed: bool
 ):
+    # The same rule and the same refusal for an automatic restart (after the worker's failure at
+    # step 3) and for a resumed run (before its first attempt: no command runs anywhere).
     out = _checkpoints(tmp_path, {"m": {10: True}, "w": {20: True}})
-    pair = _pair(tmp_path, out)
+    pair = _resumed(tmp_path, out) if resumed else _pair(tmp_path, out)
     try:
         pair.wait_ended(timeout=90)
-        master = pair.state("m")
-        assert master["phase"] == "failed", pair.logs()
-        assert master["restarts"] == []
-        assert (
-            "no restart: Run t cannot resume: no checkpoint is on every node"
-            in (master["reason"]["message"])
-        )
+        master_state = pair.state("m")
+        assert master_state["phase"] == "failed", pair.logs()
+        assert master_state["restarts"] == []
+        reason = protocol.Failure.from_dict(master_state["reason"])
+        assert reason is not None
+        assert "Run t cannot resume: no checkpoint is on every node" in reason.message
+        if resumed:
+            assert reason.kind is protocol.FailureKind.START
+            assert "attempt 1: starting" not in pair.logs()
+        else:
+            assert "no restart: Run t cannot resume" in reason.message
         assert [p.name for p in out["m"].iterdir()] == ["checkpoint-10"]
         assert [p.name for p in out["w"].iterdir()] == ["checkpoint-20"]
+        assert pair.state("w")["phase"] == "failed"
     finally:
         pair.close()
 

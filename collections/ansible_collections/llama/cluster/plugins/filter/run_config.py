@@ -10,9 +10,6 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ansible_collections.llama.cluster.plugins.module_utils.planner.checkpoints import (
-    resume_point,
-)
 from ansible_collections.llama.cluster.plugins.module_utils.planner.disk import disk_budget
 from ansible_collections.llama.cluster.plugins.module_utils.planner.nodes import (
     hosts_without_gpu_facts,
@@ -246,6 +243,5 @@ class FilterModule:
             "run_config_train_yaml": train_yaml,
             "run_config_dataset_info": dataset_info,
             "run_config_files": run_files,
-            "run_config_resume_point": resume_point,
             "run_config_disk_budget": disk_budget,
         }

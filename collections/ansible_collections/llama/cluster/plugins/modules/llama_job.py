@@ -9,8 +9,9 @@ from typing import Any
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.llama.cluster.plugins.module_utils.llama_job.protocol import (
+    RankStatus,
+    got_going,
     leading,
-    progress_line,
 )
 from ansible_collections.llama.cluster.plugins.module_utils.trainer_log import (
     log_figures,
@@ -198,19 +199,18 @@ def argv_for(params: dict[str, Any]) -> list[str]:
 
 
 def reshape(result: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-    """What llama-job printed, with the task's changed, and for status and wait the leading
-    rank's phase, progress line and failed node (the protocol's status shape)."""
+    """What llama-job printed, unchanged, with the task's changed; for status and wait the
+    leading rank (the master's, protocol.leading) and its progress line, for wait whether the
+    job got going, for status the trainer log's figures."""
     action = params["action"]
     result["changed"] = action == "start" or bool(action == "stop" and result.get("stopped"))
     if action in ("status", "wait"):
-        lead = leading(result.get("ranks") or [])
-        result["phase"] = lead.get("phase", "unknown") if lead else "unknown"
-        result["progress"] = progress_line(lead) if lead else f"no job {params['job']} on this node"
-        result["progress_data"] = lead.get("progress") or {}
-        reason = lead.get("reason") or {}
-        failed = result["phase"] == "failed" and reason.get("node")
-        result["failed_hosts"] = [reason["node"]] if failed else []
+        ranks = [RankStatus.from_dict(r) for r in result.get("ranks") or [] if isinstance(r, dict)]
+        lead = leading(ranks)
+        result["lead"] = lead.to_dict() if lead else None
+        result["progress"] = lead.progress_line() if lead else f"no job {params['job']} here"
         result["done"] = bool(result.get("reached")) if action == "wait" else True
+        result["got_going"] = got_going(lead)
     if action == "status":
         result["trainer_log"] = trainer_log(params["progress_file"])
     return result

@@ -69,7 +69,7 @@ def leftovers(record: dict[str, Any]) -> list[int]:
     return launcher(record["supervisor"]).leftovers(record)
 
 
-def rank_status(record: dict[str, Any]) -> dict[str, Any]:
+def rank_status(record: dict[str, Any]) -> protocol.RankStatus:
     """What one node's part of a job is doing (protocol.rank_status, from the files here)."""
     alive = runner_alive(record)
     left = [] if alive else leftovers(record)
@@ -77,21 +77,26 @@ def rank_status(record: dict[str, Any]) -> dict[str, Any]:
     state = read_json_untrusted(record["state"], owners)
     if state.get("job") != record["job"] or state.get("started_s", 0) < record.get("started_s", 0):
         state = {}  # an earlier launch's state, or none yet
-    lost = not alive and not protocol.is_terminal(state.get("phase"))
+    lost = not alive and not protocol.Phase.of(state.get("phase")).is_terminal()
     errors = first_error_lines(tail_untrusted(record["log"], owners)) if lost else []
     return protocol.rank_status(record, state, alive, left, errors)
 
 
-def job_status(job: str) -> dict[str, Any]:
+def job_ranks(job: str) -> list[protocol.RankStatus]:
     """Every rank of a job on this node."""
-    ranks = [rank_status(r) for r in read_records(job)]
-    return {"job": job, "found": bool(ranks), "ranks": ranks}
+    return [rank_status(r) for r in read_records(job)]
+
+
+def status_document(job: str, ranks: list[protocol.RankStatus]) -> dict[str, Any]:
+    """What `status` prints: the job's ranks on this node, each as the protocol's JSON."""
+    return {"job": job, "found": bool(ranks), "ranks": [r.to_dict() for r in ranks]}
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     """`status --job ID`."""
     need_root()
-    emit(job_status(check_name("job", args.job)))
+    job = check_name("job", args.job)
+    emit(status_document(job, job_ranks(job)))
     return 0
 
 
@@ -99,9 +104,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     """`list [--active]`."""
     need_root()
     jobs = [rank_status(r) for r in read_records()]
-    if args.active:
-        jobs = [j for j in jobs if j["active"]]
-    emit({"jobs": jobs})
+    emit({"jobs": [j.to_dict() for j in jobs if j.active or not args.active]})
     return 0
 
 
@@ -217,7 +220,7 @@ def rejoin_refusal(record: dict[str, Any], now: float) -> str:
     state = read_json_untrusted(record["state"], (0, int(record["uid"])))
     if runner_alive(record) or record.get("stop_requested"):
         return "its runner runs, or it was stopped"
-    if state.get("job") != record["job"] or protocol.is_terminal(state.get("phase")):
+    if state.get("job") != record["job"] or protocol.Phase.of(state.get("phase")).is_terminal():
         return "it ended"
     spec = load_spec(record["spec"], require_root=True)
     try:
@@ -285,7 +288,7 @@ def wait_for_runner(record: dict[str, Any], timeout: float = 15.0) -> dict[str, 
                 + " | ".join(words.strip().splitlines()[-8:])
             )
         time.sleep(0.1)
-    return {"phase": "starting", "pid": None}
+    return {"phase": protocol.Phase.STARTING.value, "pid": None}
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
@@ -301,8 +304,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
             stopped.append(record["host"])
         if was_active or record["supervisor"] == "process":
             launcher(record["supervisor"]).stop(record, args.timeout)
-    status = job_status(job)
-    emit({"job": job, "stopped": stopped, "ranks": status["ranks"]})
+    emit({**status_document(job, job_ranks(job)), "stopped": stopped})
     return 0
 
 
@@ -312,17 +314,13 @@ def cmd_wait(args: argparse.Namespace) -> int:
     job = check_name("job", args.job)
     deadline = time.monotonic() + args.timeout
     while True:
-        status = job_status(job)
-        ranks = status["ranks"]
-        ended = bool(ranks) and all(
-            protocol.is_terminal(r["phase"]) and not r["active"] for r in ranks
-        )
+        ranks = job_ranks(job)
+        ended = bool(ranks) and all(r.phase.is_terminal() and not r.active for r in ranks)
         running = ended or any(
-            r["phase"] == protocol.Phase.RUNNING.value or protocol.is_terminal(r["phase"])
-            for r in ranks
+            r.phase is protocol.Phase.RUNNING or r.phase.is_terminal() for r in ranks
         )
         reached = ended if args.until == "ended" else running
         if reached or time.monotonic() >= deadline:
-            emit({**status, "reached": reached, "ended": ended})
+            emit({**status_document(job, ranks), "reached": reached, "ended": ended})
             return 0
         time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))

@@ -9,18 +9,23 @@ import pwd
 import queue
 import signal
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .checkpoints import resume_argument, set_aside
+from .checkpoints import resume_argument, set_aside, set_aside_dir
 from .command import Command, Ended
 from .launchers import current_limits
 from .logs import read_env_file
 from .oom import describe_cause
 from .procs import become_subreaper
-from .protocol import VERSION, Phase, describe_exit, iso
+from .protocol import VERSION, Failure, FailureKind, Phase, Restart, describe_exit, iso
 from .spec import JobSpec
 from .untrusted import read_untrusted, write_json
+
+
+def _mapping(value: object) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
 
 
 class NodeRunner:
@@ -37,8 +42,8 @@ class NodeRunner:
         self.attempt = 1
         self.phase = Phase.STARTING
         self.phase_since = time.monotonic()
-        self.reason: dict[str, Any] | None = None
-        self.restarts: list[dict[str, Any]] = []
+        self.reason: Failure | None = None
+        self.restarts: list[Restart] = []
         self.stop_requested = False
         self.started_s = time.time()
         self.progress: dict[str, Any] = {}
@@ -86,9 +91,9 @@ class NodeRunner:
             "phase": self.phase.value,
             "attempt": self.attempt,
             "max_restarts": self.spec.max_restarts,
-            "restarts": self.restarts,
+            "restarts": [r.to_dict() for r in self.restarts],
             "exit_status": self.command.exit_status,
-            "reason": self.reason,
+            "reason": self.reason.to_dict() if self.reason else None,
             "progress": self.progress,
             "peers": self.peers_state(now),
             "limits": self.limits,
@@ -120,56 +125,50 @@ class NodeRunner:
         step = self.progress.get("current_steps")
         return f"{describe_cause(cause, node or self.host, step)}; {message}"
 
-    def reason_for(
-        self, kind: str, message: str, node: str | None = None, **extra: object
-    ) -> dict[str, Any]:
-        """A failure record."""
+    def failure(
+        self,
+        kind: FailureKind,
+        message: str,
+        node: str | None = None,
+        **given: Any,  # noqa: ANN401
+    ) -> Failure:
+        """A failure of this attempt, of this node unless `node` names another."""
         node = node or self.host
-        rank = self.spec.rank if node == self.host else extra.pop("rank", None)
-        return {
-            "node": node,
-            "rank": rank,
-            "kind": kind,
-            "exit_status": extra.pop("exit_status", None),
-            "message": message,
-            "errors": extra.pop("errors", []),
-            "cause": extra.pop("cause", None),
-            "at": iso(time.time()),
-            "at_s": time.time(),
-            "attempt": self.attempt,
-            **extra,
-        }
+        rank = self.spec.rank if node == self.host else given.pop("rank", None)
+        return Failure.now(node, kind, message, rank=rank, attempt=self.attempt, **given)
 
-    def reported(self, ended: Ended) -> tuple[str, dict[str, Any]]:
+    def reported(self, ended: Ended) -> tuple[str, Failure]:
         """The message and record of a failure the command's output reported."""
         message = f"its command reported a failure ({ended.reported})"
         if ended.code is not None:
             message += f": a process {describe_exit(ended.code)}"
         self.say(f"attempt {self.attempt}: {self.explained(message, ended.cause)}")
-        reason = self.reason_for(
-            "exited",
+        reason = self.failure(
+            FailureKind.EXITED,
             self.explained(message, ended.cause),
-            errors=ended.errors,
+            errors=tuple(ended.errors),
             exit_status=ended.code,
             cause=ended.cause,
         )
         return message, reason
 
-    # -- restarts -----------------------------------------------------------------------------
-    def prepare_restart(self, attempt: int, plan: dict[str, Any]) -> None:
-        """Before a restart: move this node's checkpoints newer than the common one aside (into
-        <run dir>/set-aside/restart-<attempt>/, never deleting one) and note the checkpoint."""
+    # -- continuing from a checkpoint: a restart, or a resumed run's first attempt -----------
+    def prepare_continue(self, plan: Mapping[str, Any]) -> None:
+        """Before an attempt that continues from a checkpoint (the master's plan: checkpoints.
+        continue_plan): move this node's checkpoints newer than the common one aside (into
+        <run dir>/set-aside/<the plan's stamp>/, never deleting one) and note the checkpoint
+        the command is given."""
         directory = self.spec.checkpoints_dir
         if not directory:
             return
         checkpoint = plan.get("checkpoint")
         self.resume_from = checkpoint if isinstance(checkpoint, str) else None
-        names = (plan.get("set_aside") or {}).get(self.host) or []
-        target = os.path.join(os.path.dirname(directory), "set-aside", f"restart-{attempt}")
-        moved = set_aside(directory, [str(n) for n in names], target)
+        target = set_aside_dir(directory, plan.get("stamp"))
+        names = _mapping(plan.get("set_aside")).get(self.host) or []
+        moved = set_aside(directory, [str(n) for n in names], target) if target else []
         if moved:
             self.say(f"set aside {', '.join(moved)} (not on every node, or cut off) in {target}")
-        self.say(f"attempt {attempt} resumes from {self.resume_from or 'the beginning'}")
+        self.say(f"attempt {self.attempt} resumes from {self.resume_from or 'the beginning'}")
 
     def start_command(self) -> Ended | None:
         """Start this attempt's command, passing the checkpoint it resumes from."""

@@ -8,6 +8,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from .checkpoints import sharded_checkpoints
 from .cost import Link
 from .decisions import (
     Batch,
@@ -328,6 +329,8 @@ def assemble(
         "model": dict(model),
         "datasets": list(datasets),
         "deepspeed": stage,
+        # Each node's checkpoint holds only its own ranks' state: what a resume can copy.
+        "sharded": sharded_checkpoints(stage),
         "accelerator": accelerator,
         "nnodes": len(nodes),
         "nproc_per_node": nproc,
