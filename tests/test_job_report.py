@@ -36,7 +36,7 @@ from ansible_collections.llama.cluster.plugins.modules.llama_job import trainer_
 
 import llama_runner
 from llama_runner import api, cli, events, results
-from tests.test_llama_job import TOOL
+from tests.llama_job_support import TOOL
 
 REASON = {
     "node": "node2",
@@ -91,7 +91,7 @@ def test_a_dead_master_is_reported_from_the_workers_records():
         "node": "node1",
         "kind": "vanished",
         "exit_status": None,
-        "message": "lost the master node1 (its runner has ended)",
+        "message": "lost the master node1 (its agent has ended)",
         "errors": [],
     }
     hostvars = _hostvars(

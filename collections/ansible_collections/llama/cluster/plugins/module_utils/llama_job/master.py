@@ -1,4 +1,4 @@
-"""The master's runner: coordinates the job. Starts rank 0's command, opens the gate once it
+"""The master's agent: coordinates the job. Starts rank 0's command, opens the gate once it
 listens and every peer has joined, watches the peers' heartbeats and rank 0's progress, ends
 the attempt on every node at the first failure, names the node that explains it, and restarts
 from the last checkpoint while restarts are left. A resumed run (the spec's `resume`) takes
@@ -13,13 +13,13 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from .agent import NodeAgent
 from .checkpoints import continue_plan, listing, restart_stamp, resume_stamp
 from .command import Ended
 from .link import Hub, Link
 from .logs import is_peer_symptom, last_record, stall_limit
 from .procs import listening_inodes, socket_owners
 from .protocol import Failure, FailureKind, Kind, Phase, Restart, describe_exit, iso
-from .runner import NodeRunner
 from .untrusted import file_size
 
 REFUSALS_EVERY = 10.0  # seconds between the log's lines on refused connections
@@ -64,7 +64,7 @@ class Peer:
 
     @property
     def joined(self) -> bool:
-        """Whether its runner is connected (and authenticated)."""
+        """Whether its agent is connected (and authenticated)."""
         return self.link is not None
 
 
@@ -78,7 +78,7 @@ class Progress:
     intervals: list[float] | None = None
 
 
-class MasterRunner(NodeRunner):
+class MasterAgent(NodeAgent):
     """Coordinates the job: start, gate, watch, abort, restart, finish."""
 
     def __init__(self, spec: Any) -> None:  # noqa: ANN401 - a JobSpec
@@ -163,7 +163,7 @@ class MasterRunner(NodeRunner):
             if host in self.peers and self.peers[host].link is link:
                 self.peers[host].link = None
                 self.peer_gone(
-                    host, "its runner closed the connection (the node or its llama-job ended)"
+                    host, "its agent closed the connection (the node or its llama-job ended)"
                 )
         elif data is not None and link is not None:
             self.on_message(link, data)
@@ -201,7 +201,7 @@ class MasterRunner(NodeRunner):
             peer.reported = int(data.get("attempt") or 0)
 
     def peer_hello(self, link: Link, data: dict[str, Any]) -> None:
-        """A node's runner joined (or joined again after a freeze): check it, note it."""
+        """A node's agent joined (or joined again after a freeze): check it, note it."""
         host = data.get("host")
         if host not in self.peers:
             link.send({"t": Kind.REFUSED.value, "why": f"{host!r} is not a node of this job"})

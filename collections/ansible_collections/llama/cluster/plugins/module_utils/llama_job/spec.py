@@ -1,4 +1,4 @@
-"""The job's specification (written by roles/job, read by `start` and by the runner), checked
+"""The job's specification (written by roles/job, read by `start` and by the agent), checked
 once into dataclasses: nothing after load_spec looks at the raw JSON again."""
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ class JobSpec:
 
     @property
     def is_master(self) -> bool:
-        """Whether this node's runner coordinates the job."""
+        """Whether this node's agent coordinates the job."""
         return self.role == "master"
 
     @property

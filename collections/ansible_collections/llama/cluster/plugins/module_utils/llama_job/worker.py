@@ -1,4 +1,4 @@
-"""A worker's runner: follows the master. Keeps one authenticated connection to the master's
+"""A worker's agent: follows the master. Keeps one authenticated connection to the master's
 watchdog, starts, ends and restarts this node's command when the master says, tells it how the
 command ended, and ends the command on its own when the master goes away."""
 
@@ -9,11 +9,11 @@ import threading
 import time
 from typing import Any
 
+from .agent import NodeAgent
 from .checkpoints import listing
 from .command import Ended
 from .link import Link, connect, read_uplink
 from .protocol import Failure, FailureKind, Kind, Phase, Restart, describe_exit, iso
-from .runner import NodeRunner
 
 
 def reachable(address: str, port: int, within: float = 15.0) -> bool:
@@ -35,7 +35,7 @@ def final_phase(phase: object) -> Phase:
     return named if named.is_terminal() else Phase.FAILED
 
 
-class WorkerRunner(NodeRunner):
+class WorkerAgent(NodeAgent):
     """Follow the master: start, abort, restart and finish when it says."""
 
     def __init__(self, spec: Any) -> None:  # noqa: ANN401 - a JobSpec
@@ -109,7 +109,7 @@ class WorkerRunner(NodeRunner):
             if link is self.uplink:
                 self.uplink = None
                 if self.master_seen is not None:
-                    self.master_gone("the master's runner closed the connection")
+                    self.master_gone("the master's agent closed the connection")
         elif link is self.uplink and data is not None:
             self.heard_master()
             self.on_message(data)
@@ -304,7 +304,7 @@ class WorkerRunner(NodeRunner):
             self.failure(
                 FailureKind.START,
                 f"cannot reach the watchdog on {self.spec.master.address}:"
-                f"{self.spec.watchdog_port} (is the master's runner up, and does the "
+                f"{self.spec.watchdog_port} (is the master's agent up, and does the "
                 f"firewall let it through?){why}",
                 node=self.master_host,
             ),
@@ -327,7 +327,7 @@ class WorkerRunner(NodeRunner):
             return
         reason = self.reason
         if not reason or reason.kind is not FailureKind.VANISHED:
-            ended = " (its runner has ended)" if self.master_refused else " for good"
+            ended = " (its agent has ended)" if self.master_refused else " for good"
             why = f"lost the master {self.master_host}{ended}"
             reason = self.failure(FailureKind.VANISHED, why, node=self.master_host)
         self.leave(Phase.FAILED, reason)

@@ -1,4 +1,4 @@
-"""What the master's and a worker's runner share: the node's log, the command's environment,
+"""What the master's and a worker's agent share: the node's log, the command's environment,
 the state file that `status` reads, the failure records, and the run loop's frame."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def _mapping(value: object) -> Mapping[str, Any]:
     return value if isinstance(value, Mapping) else {}
 
 
-class NodeRunner:
+class NodeAgent:
     """Runs this node's command for a job and records where it stands."""
 
     def __init__(self, spec: JobSpec) -> None:
@@ -36,7 +36,7 @@ class NodeRunner:
         self.t = spec.timeouts
         self.host = spec.host
         self.events: queue.Queue = queue.Queue()
-        self.log = open(spec.log, "ab", buffering=0)  # noqa: SIM115 - lives as long as the runner
+        self.log = open(spec.log, "ab", buffering=0)  # noqa: SIM115 - lives as long as the agent
         os.chmod(spec.log, 0o640)
         self.command = Command(spec, self.environment(), self.log, self.say)
         self.attempt = 1
@@ -53,7 +53,7 @@ class NodeRunner:
 
     # -- plumbing -------------------------------------------------------------------------------
     def say(self, text: str) -> None:
-        """A line of the runner's own in the node's log."""
+        """A line of the agent's own in the node's log."""
         stamp = time.strftime("%H:%M:%S", time.gmtime())
         with contextlib.suppress(OSError):
             self.log.write(f"[llama-job {self.host} {stamp}Z] {text}\n".encode())
@@ -77,7 +77,7 @@ class NodeRunner:
         return {}
 
     def write_state(self, force: bool = True) -> None:
-        """The runner's state file: what status reports for this node."""
+        """The agent's state file: what status reports for this node."""
         now = time.monotonic()
         if not force and now - self.last_state_write < 1.0:
             return
@@ -208,14 +208,14 @@ class NodeRunner:
         raise NotImplementedError
 
     def begin(self) -> bool:
-        """Set up before the loop; False when the runner cannot run."""
+        """Set up before the loop; False when the agent cannot run."""
         return True
 
     def finish(self) -> None:
         """After the loop (role-specific)."""
 
     def run(self) -> int:
-        """The runner's life: a short loop over events, the command and the clocks."""
+        """The agent's life: a short loop over events, the command and the clocks."""
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGINT, self.on_signal)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
