@@ -210,23 +210,6 @@ def run_files(texts: Mapping[str, str], run_dir: str) -> list[dict[str, Any]]:
     ]
 
 
-def dataset_files(
-    datasets: list[Mapping[str, Any]], checked: Mapping[str, Mapping[str, Any]]
-) -> list[dict[str, Any]]:
-    """The run's datasets, in order, each with the file to train on that its check returned
-    (llama.cluster.run_plan).
-
-    checked maps a dataset name to a check result ({"file": ...}, as llama_dataset_check returns
-    it); a dataset without one keeps its file.
-    """
-    return [
-        {**entry, "file": checked[entry["name"]]["file"]}
-        if entry["name"] in checked
-        else dict(entry)
-        for entry in datasets
-    ]
-
-
 def unprobed(ranks: Iterable[str], hostvars: Any) -> list[str]:  # noqa: ANN401 - hostvars
     """The GPU nodes whose facts do not list their GPUs yet."""
     return hosts_without_gpu_facts(list(ranks), hostvars)

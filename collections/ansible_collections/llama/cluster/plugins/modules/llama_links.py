@@ -58,6 +58,28 @@ options:
     default: 20
 """
 
+EXAMPLES = r"""
+- name: List this node's interfaces
+  llama.cluster.llama_links:
+    mode: interfaces
+  register: links
+
+- name: Serve two measurements on port 29510 (in the background)
+  llama.cluster.llama_links:
+    mode: serve
+    port: 29510
+    connections: 2
+  async: 120
+  poll: 0
+
+- name: Measure the stream and round trip to a peer
+  llama.cluster.llama_links:
+    mode: measure
+    address: 10.0.0.12
+    port: 29510
+# tcp_gbps: 9.41; rtt_ms: 0.12
+"""
+
 RETURN = r"""
 interfaces:
   description: "ifname: {kind, speed_mbps (null when the driver does not say), mtu, address,
@@ -78,8 +100,11 @@ served:
   returned: mode=serve
 """
 
-SIOCGIFADDR, SIOCGIFNETMASK = 0x8915, 0x891B  # linux/sockios.h
-ARPHRD_ETHER, ARPHRD_INFINIBAND = 1, 32  # linux/if_arp.h
+# One name per line: ansible-doc reads a module's top-level assignments, and not a tuple's.
+SIOCGIFADDR = 0x8915  # linux/sockios.h
+SIOCGIFNETMASK = 0x891B
+ARPHRD_ETHER = 1  # linux/if_arp.h
+ARPHRD_INFINIBAND = 32
 CHUNK = 1 << 16
 # The sender's buffer is capped so that what is still queued when the stream stops drains within
 # a fraction of a second even on a 10 Mbit/s link (the kernel doubles it: 1 MiB in flight).

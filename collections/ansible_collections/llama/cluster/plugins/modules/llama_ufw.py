@@ -36,7 +36,7 @@ options:
   rules:
     description:
       - Allow rules; each has port (a port, a list "a,b" or a range "a:b"; empty for every port),
-        proto (tcp, udp; empty for any), sources (a list of "any", addresses or networks: one ufw
+        proto (tcp, udp; empty for any), sources (a list of "any", addresses or networks, one ufw
         rule each) and comment.
     type: list
     elements: dict
@@ -88,6 +88,24 @@ options:
     type: path
     default: ""
 author: llama-cluster
+"""
+
+EXAMPLES = r"""
+- name: Allow SSH and the cluster's nodes, drop the rules of nodes that left, enable ufw
+  llama.cluster.llama_ufw:
+    rules:
+      - sources: [10.0.0.11, 10.0.0.12]
+        comment: llama-cluster nodes
+    ssh_sources: [any]
+    ssh_ports: [22]
+    purge_comments: [llama-cluster nodes, llama-cluster ssh]
+    state: enabled
+    rollback_dir: /var/lib/llama-cluster/ufw
+
+- name: Put back the state saved before the last change
+  llama.cluster.llama_ufw:
+    state: rolled_back
+    rollback_dir: /var/lib/llama-cluster/ufw
 """
 
 RETURN = r"""
