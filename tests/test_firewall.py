@@ -10,6 +10,13 @@ in the molecule scenarios (cluster, in_use).
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from ansible_collections.llama.cluster.plugins.module_utils import ufw
 
@@ -33,6 +40,7 @@ PARAMS = {
     "default_incoming": "deny",
     "default_outgoing": "allow",
     "state": "enabled",
+    "if_inactive": "enable",
 }
 CONF = "# /etc/ufw/ufw.conf\nENABLED=yes\nLOGLEVEL=low\n"
 DEFAULTS = 'IPV6=yes\nDEFAULT_INPUT_POLICY="DROP"\nDEFAULT_OUTPUT_POLICY="ACCEPT"\n'
@@ -208,6 +216,100 @@ def test_a_fresh_node_gets_the_rules_before_the_policies_and_the_enable() -> Non
     assert plan.commands()[-2:] == [["default", "deny", "incoming"], ["--force", "enable"]]
 
 
+def test_an_inactive_ufw_is_left_off_and_untouched_unless_asked() -> None:
+    # The default (if_inactive leave): a server whose ufw is off keeps every service reachable.
+    params = {**PARAMS, "if_inactive": "leave"}
+    for added in (DEBIAN_12_ADDED, UBUNTU_2204_ADDED):
+        left = ufw.plan(params, active=False, added=added, conf="ENABLED=no\n", defaults="")
+        assert left.commands() == []
+        assert left.left_inactive
+    assert ufw.leaves_inactive({"state": "enabled"}, active=False)
+    assert not ufw.leaves_inactive({"state": "enabled", "if_inactive": "enable"}, active=False)
+    # An active ufw is brought to the rules whatever if_inactive says.
+    on = ufw.plan(params, active=True, added=UBUNTU_2204_ADDED, conf=CONF, defaults=DEFAULTS)
+    assert not on.left_inactive
+    assert on.commands() == [["delete", "allow", "from", "10.0.0.13"]]
+
+
+# The probe of issue 40: the operator had allowed their SSH port themselves before provision.yml
+# ran. ufw takes a rule that differs only in its comment (or has none) for the same rule and
+# relabels it, after which the project owned the operator's rule and deleted it when
+# firewall_ssh_sources narrowed. Recorded with ufw 0.36.2 in the lab's node image: after
+# `ufw allow 8080; ufw allow 2222/tcp comment mine-ssh`, `ufw show added` printed the text below;
+# `ufw allow proto tcp from any to any port 2222 comment 'llama-cluster ssh'` then answered
+# "Rules updated" and `show added` printed `ufw allow 2222/tcp comment 'llama-cluster ssh'`.
+OPERATOR_SSH_ADDED = """\
+Added user rules (see 'ufw status' for running firewall):
+ufw allow 8080
+ufw allow 2222/tcp comment 'mine-ssh'
+"""
+SSH_2222 = {"port": 2222, "proto": "tcp", "comment": "llama-cluster ssh"}
+
+
+def _ssh_params(sources: list[str]) -> dict:
+    return {**PARAMS, "rules": ufw.expand([{**SSH_2222, "sources": sources}])}
+
+
+def test_an_identical_rule_of_the_operator_is_kept_under_its_own_comment() -> None:
+    plan = ufw.plan(
+        _ssh_params(["any"]), active=True, added=OPERATOR_SSH_ADDED, conf=CONF, defaults=DEFAULTS
+    )
+    assert plan.commands() == []
+    assert [ufw.added_line(rule) for rule in plan.kept] == ["ufw allow 2222/tcp comment 'mine-ssh'"]
+
+
+def test_an_identical_rule_without_a_comment_is_not_adopted_either() -> None:
+    added = "Added user rules (see 'ufw status' for running firewall):\nufw allow 2222/tcp\n"
+    plan = ufw.plan(_ssh_params(["any"]), active=True, added=added, conf=CONF, defaults=DEFAULTS)
+    assert plan.commands() == []
+    assert [ufw.added_line(rule) for rule in plan.kept] == ["ufw allow 2222/tcp"]
+
+
+def test_narrowing_the_ssh_sources_adds_the_project_s_rule_and_deletes_no_operator_rule() -> None:
+    plan = ufw.plan(
+        _ssh_params(["10.0.0.0/24"]),
+        active=True,
+        added=OPERATOR_SSH_ADDED,
+        conf=CONF,
+        defaults=DEFAULTS,
+    )
+    assert [" ".join(argv) for argv in plan.commands()] == [
+        "allow proto tcp from 10.0.0.0/24 to any port 2222 comment llama-cluster ssh"
+    ]
+    assert plan.delete == []
+
+
+def test_a_rule_of_an_earlier_release_that_still_lets_the_same_through_stays() -> None:
+    # Its comment is the project's, under an older name: neither added again nor deleted.
+    added = (
+        "Added user rules (see 'ufw status' for running firewall):\n"
+        "ufw allow 22/tcp comment 'llama-cluster training ports'\n"
+    )
+    params = {**PARAMS, "rules": ufw.expand([{**SSH_2222, "port": 22, "sources": ["any"]}])}
+    plan = ufw.plan(params, active=True, added=added, conf=CONF, defaults=DEFAULTS)
+    assert plan.commands() == []
+    assert plan.kept == []
+
+
+def test_absent_rules_are_deleted_only_under_their_own_comment() -> None:
+    # roles/service closing a served port: its rule goes, the operator's identical one stays.
+    added = (
+        "Added user rules (see 'ufw status' for running firewall):\n"
+        "ufw allow from 10.0.0.0/24 to any port 8000 proto tcp comment 'llama-cluster serve-run1'\n"
+        "ufw allow from 10.0.0.0/24 to any port 8001 proto tcp comment 'dashboard'\n"
+    )
+    served = {"proto": "tcp", "sources": ["10.0.0.0/24"], "comment": "llama-cluster serve-run1"}
+    params = {
+        "rules": [],
+        "absent": ufw.expand([{**served, "port": 8000}, {**served, "port": 8001}]),
+        "state": "enabled",
+    }
+    plan = ufw.plan(params, active=True, added=added, conf=CONF, defaults=DEFAULTS)
+    assert plan.commands() == [
+        ["delete", "allow", "from", "10.0.0.0/24", "to", "any", "port", "8000", "proto", "tcp"]
+    ]
+
+
 def test_the_same_rule_twice_is_added_once() -> None:
     params = {**PARAMS, "rules": WANT + WANT}
     plan = ufw.plan(params, active=True, added=DEBIAN_12_ADDED, conf=CONF, defaults=DEFAULTS)
@@ -260,6 +362,50 @@ def test_listening_ports_are_those_of_the_given_sockets_in_listen_state() -> Non
     assert ufw.listening_ports(table, set()) == []
 
 
+# /proc/net/tcp and tcp6 as the kernel writes them (addresses in 32-bit words of the host's byte
+# order): sshd on 2222, a node exporter on 9100 and a database on loopback only (IPv4); a web
+# service on 8080, sshd again, and ::1 and ::ffff:127.0.0.1 listeners (IPv6); one connection.
+PROC_NET_TCP = """\
+  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 00000000:08AE 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 4242 1
+   1: 00000000:238C 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 5151 1
+   2: 0100007F:0CEA 00000000:0000 0A 00000000:00000000 00:00000000 00000000   105        0 6161 1
+   3: 0B00000A:08AE 0C00000A:C350 01 00000000:00000000 02:000A7B8F 00000000     0        0 4243 4
+"""
+PROC_NET_TCP6 = """\
+  sl  local_address                         remote_address                        st tx_queue \
+rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 00000000000000000000000000000000:1F90 00000000000000000000000000000000:0000 0A 00000000:\
+00000000 00:00000000 00000000  1000        0 7171 1
+   1: 00000000000000000000000000000000:08AE 00000000000000000000000000000000:0000 0A 00000000:\
+00000000 00:00000000 00000000     0        0 4244 1
+   2: 00000000000000000000000001000000:1F91 00000000000000000000000000000000:0000 0A 00000000:\
+00000000 00:00000000 00000000  1000        0 8181 1
+   3: 0000000000000000FFFF00000100007F:1F92 00000000000000000000000000000000:0000 0A 00000000:\
+00000000 00:00000000 00000000  1000        0 9191 1
+"""
+
+
+def test_listening_sockets_leave_out_loopback_and_connections() -> None:
+    assert ufw.listening_sockets(PROC_NET_TCP) == {2222: {"4242"}, 9100: {"5151"}}
+    assert ufw.listening_sockets(PROC_NET_TCP6) == {8080: {"7171"}, 2222: {"4244"}}
+
+
+def test_the_ports_no_rule_names_are_those_that_go_dark_when_ufw_turns_on() -> None:
+    listening = {**ufw.listening_sockets(PROC_NET_TCP), **ufw.listening_sockets(PROC_NET_TCP6)}
+    rules = ufw.parse_added(
+        "Added user rules (see 'ufw status' for running firewall):\n"
+        "ufw allow 2222/tcp comment 'mine-ssh'\n"
+        "ufw allow from 10.0.0.11 comment 'llama-cluster nodes'\n"
+        "ufw allow 8000:8079/tcp\n"
+        "ufw deny 8080/tcp\n"
+        "ufw allow 9100/udp\n"
+    )
+    # Every port from a node names no port; a deny and a UDP rule let no TCP in.
+    assert ufw.unruled_ports(listening, rules) == [8080, 9100]
+    assert ufw.unruled_ports(listening, [*rules, *ufw.parse_added("ufw allow 8080,9100/tcp")]) == []
+
+
 @pytest.mark.parametrize(
     ("source", "written"),
     [
@@ -285,3 +431,125 @@ def test_sources_are_compared_as_ufw_writes_them_back(source: str, written: str)
 )
 def test_rules_ufw_cannot_take_are_refused(rule: dict, problem: str) -> None:
     assert problem in ufw.check_rules(ufw.expand([rule]))
+
+
+# ---- the role's own refusals: roles/firewall's checks run on the controller, each case a host --
+# One ansible-playbook run: every case is a host of its own on the local connection, with the
+# case's settings as host variables over the project's defaults; each gets the checks of its
+# entry point (validate: provision.yml's and wiring.yml's pre-flight; service: roles/service's).
+# Nothing reaches ufw: the service cases run with firewall_enabled false, which skips only the
+# module, not the check.
+ROOT = Path(__file__).resolve().parents[1]
+ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
+CHECKS_PLAYBOOK = [
+    {
+        "name": "roles/firewall's checks",
+        "hosts": "all",
+        "gather_facts": False,
+        "tasks": [
+            {
+                "ansible.builtin.include_role": {"name": "firewall", "tasks_from": entry},
+                "when": f"firewall_entry == '{entry}'",
+            }
+            for entry in ("validate", "service")
+        ],
+    }
+]
+SERVICE = {
+    "firewall_entry": "service",
+    "firewall_enabled": False,
+    "firewall_service_name": "serve-run1",
+    "firewall_service_port": 8000,
+    "firewall_service_sources": ["10.0.0.0/24", "any"],
+}
+CASES: dict[str, dict] = {
+    "good": {},
+    "no_ssh_source": {"firewall_ssh_sources": []},
+    "master_port_too_high": {"firewall_master_port": 70000},
+    "ssh_port_zero": {"firewall_ssh_ports": [22, 0]},
+    "rendezvous_negative": {"firewall_rendezvous_port": -1},
+    "watchdog_in_nccl_range": {"firewall_watchdog_port": 40500},
+    "master_in_nccl_range": {"firewall_master_port": 40001},
+    "nccl_range_privileged": {"firewall_nccl_port_range_start": 80},
+    "nccl_range_inverted": {
+        "firewall_nccl_port_range_start": 41000,
+        "firewall_nccl_port_range_end": 40000,
+    },
+    "ssh_source_a_name": {"firewall_ssh_sources": ["bastion.example.com"]},
+    "cidr_bad_prefix": {"firewall_cluster_cidrs": ["10.0.0.0/24", "10.1.0.0/x"]},
+    "check_too_short": {"firewall_connection_check_timeout": 2},
+    "port_not_a_number": {"firewall_master_port": "twenty"},
+    "enable_not_a_flag": {"firewall_enable_inactive_ufw": "perhaps"},
+    "service_good": SERVICE,
+    "service_bad_name": {**SERVICE, "firewall_service_name": "serve run1"},
+    "service_port_zero": {**SERVICE, "firewall_service_port": 0},
+    "service_source_a_word": {**SERVICE, "firewall_service_sources": ["everyone"]},
+    "service_bad_state": {**SERVICE, "firewall_service_state": "closed"},
+}
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Each case's failure message ('' for a case that passed)."""
+    tmp = tmp_path_factory.mktemp("firewall-checks")
+    local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
+    hosts = {name: {"firewall_entry": "validate", **local, **case} for name, case in CASES.items()}
+    (tmp / "hosts.yml").write_text(json.dumps({"all": {"hosts": hosts}}))
+    (tmp / "checks.yml").write_text(json.dumps(CHECKS_PLAYBOOK))
+    # One line of JSON per result, so that each host's message is read whole.
+    env = {
+        **os.environ,
+        "ANSIBLE_STDOUT_CALLBACK": "ansible.builtin.default",
+        "ANSIBLE_CALLBACK_RESULT_FORMAT": "json",
+        "ANSIBLE_CALLBACK_FORMAT_PRETTY": "false",
+        "ANSIBLE_NOCOLOR": "1",
+        "ANSIBLE_CACHE_PLUGIN_CONNECTION": str(tmp / "facts"),
+    }
+    argv = [str(ANSIBLE_PLAYBOOK), "-i", str(tmp / "hosts.yml"), str(tmp / "checks.yml")]
+    done = subprocess.run(argv, check=False, cwd=ROOT, env=env, capture_output=True, text=True)
+    fatal = re.findall(r"^fatal: \[(\S+)\]: FAILED! => (\{.*\})$", done.stdout, re.M)
+    failed = {host: " ".join(json.loads(result).get("msg", "").split()) for host, result in fatal}
+    assert "PLAY RECAP" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    return {name: failed.get(name, "") for name in CASES}
+
+
+def test_good_settings_pass_the_role_s_checks(refusals: dict[str, str]) -> None:
+    assert refusals["good"] == ""
+    assert refusals["service_good"] == ""
+
+
+NETWORK = "Firewall: need ports 1-65535"
+SERVICE_CHECK = "Firewall: service"
+
+
+@pytest.mark.parametrize(
+    ("case", "check", "named"),
+    [
+        ("no_ssh_source", NETWORK, "ssh_sources=[]"),
+        ("master_port_too_high", NETWORK, "master_port=70000"),
+        ("ssh_port_zero", NETWORK, "ssh_ports=[22, 0]"),
+        ("rendezvous_negative", NETWORK, "rendezvous=-1"),
+        ("watchdog_in_nccl_range", NETWORK, "watchdog=40500"),
+        ("master_in_nccl_range", NETWORK, "master_port=40001"),
+        ("nccl_range_privileged", NETWORK, "NCCL range=80-40999"),
+        ("nccl_range_inverted", NETWORK, "NCCL range=41000-40000"),
+        ("ssh_source_a_name", NETWORK, "ssh_sources=['bastion.example.com']"),
+        ("cidr_bad_prefix", NETWORK, "cluster_cidrs=['10.0.0.0/24', '10.1.0.0/x']"),
+        ("check_too_short", NETWORK, "connection_check_timeout=2"),
+        ("service_bad_name", SERVICE_CHECK, 'service "serve run1"'),
+        ("service_port_zero", SERVICE_CHECK, "(got 0)"),
+        ("service_source_a_word", SERVICE_CHECK, "(got ['everyone'])"),
+        # Types, refused by the role's argument spec before its own check runs.
+        ("port_not_a_number", "Validation of arguments failed", "firewall_master_port"),
+        ("enable_not_a_flag", "Validation of arguments failed", "firewall_enable_inactive_ufw"),
+        ("service_bad_state", "Validation of arguments failed", "firewall_service_state"),
+    ],
+)
+def test_each_bad_setting_is_refused_naming_its_value(
+    refusals: dict[str, str], case: str, check: str, named: str
+) -> None:
+    message = refusals[case]
+    assert check in message, message
+    assert named in message
+    if check == NETWORK:
+        assert message.endswith("Fix them in group_vars/all/network.yml.")

@@ -27,10 +27,21 @@ from tests.llama_job_support import JOB, TOOL, Pair
 # Every message is sealed (HMAC-SHA256 of the job id and connection, a sequence number and the
 # body) under the job's secret, which never crosses the wire; a client gets HELLO_WITHIN seconds
 # to authenticate, a line is at most MAX_LINE bytes, and few connections may wait for their hello
-# at once. While garbage, long lines, a flood of connections, 1,000 idle ones, replayed and forged
-# messages and a wrong key hit the master's port, the job keeps running and finishes, and the
-# master's agent stays within CPU_BOUND_S of CPU time and PEAK_RSS_BOUND of memory. A worker
-# authenticates its master the same way: a watchdog without the key is refused.
+# at once. While garbage, issue 40's probes, long lines, a flood of connections, 1,000 idle ones,
+# replayed and forged messages and a wrong key hit the master's port, the job keeps running and
+# finishes, and the master's agent stays within CPU_BOUND_S of CPU time and PEAK_RSS_BOUND of
+# memory. A worker authenticates its master the same way: a watchdog without the key, or one
+# that sends issue 40's probes, is refused.
+
+# Issue 40's probes, as they were sent (the JSON frames of that time): each killed the master's
+# reader thread (RecursionError in json.loads, TypeError in hmac.compare_digest,
+# UnicodeEncodeError), and a worker's against a fake master. Now each is refused as a line that
+# is not a frame, before any JSON is parsed. tests/test_watchdog_port.py fuzzes the same port.
+ISSUE_PROBES = {
+    "5,000 [": b"[" * 5000 + b"\n",
+    "a 40-byte frame, its mac not ASCII": b'{"seq": 1, "body": "{}", "mac": "\xc3\xa9\xc3\xa9"}\n',
+    "a lone surrogate in the body": b'{"seq": 1, "body": "\\ud800", "mac": "00"}\n',
+}
 
 # The master's agent, over the whole attack (measured on the 2-core CI machine: see the
 # commit that added this test; the bounds leave room for a loaded machine).
@@ -119,6 +130,14 @@ def _attack(port: int, log: list[str]) -> None:
         sock.sendall(os.urandom(4096) + b"\n" + b"{not json}\n")
         assert _closed_by_peer(sock)
     log.append("garbage: closed")
+    for name, probe in ISSUE_PROBES.items():
+        for read_challenge in (False, True):
+            with _connect(port) as sock:
+                if read_challenge:
+                    _challenge(sock)
+                sock.sendall(probe)
+                assert _closed_by_peer(sock), name
+    log.append("issue 40's probes: closed")
     for size in (8 << 20, 16 << 20, 32 << 20):  # a line without its end
         log.append(f"{size >> 20} MiB line: cut off after {_long_line(port, size):.2f} s")
     began = time.monotonic()
@@ -196,20 +215,31 @@ def test_hostile_clients_neither_stop_the_job_nor_cost_the_master_much(
         assert pair.state("w")["phase"] == "succeeded", pair.logs()
         master_log = (tmp_path / "m.log").read_text()
         assert "the watchdog port refused" in master_log
-        for why in ("bad mac", "replayed", "no hello within", "a line over"):
+        for why in (
+            "bad mac",
+            "replayed",
+            "no hello within",
+            "a line over",
+            "not a frame",
+            "a frame of an older llama-job",
+        ):
             assert why in master_log, master_log
+        assert "an error reading it" not in master_log
         assert "stopping the command" not in master_log  # no forged exit got through
     finally:
         pair.close()
 
 
 class FakeMaster:
-    """A watchdog on the master's port that lacks the job's key (or replays a welcome)."""
+    """A watchdog on the master's port that lacks the job's key (or replays a welcome, or
+    sends a hostile line as its challenge)."""
 
-    def __init__(self, key: bytes, replay_welcome: bool = False) -> None:
+    def __init__(
+        self, key: bytes, replay_welcome: bool = False, challenge: bytes | None = None
+    ) -> None:
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = self.server.getsockname()[1]
-        self.key, self.replay = key, replay_welcome
+        self.key, self.replay, self.challenge = key, replay_welcome, challenge
         self.helloed = 0
         threading.Thread(target=self.serve, daemon=True).start()
 
@@ -221,7 +251,10 @@ class FakeMaster:
                 return
             with sock:
                 nonce = "c" * 32
-                sock.sendall(protocol.seal(self.key, JOB_ID, 1, {"t": "challenge", "nonce": nonce}))
+                sock.sendall(
+                    self.challenge
+                    or protocol.seal(self.key, JOB_ID, 1, {"t": "challenge", "nonce": nonce})
+                )
                 context = f"{JOB_ID}:{nonce}"
                 welcome = {"t": "welcome", "phase": "running", "attempt": 1, "nonce": "old"}
                 with contextlib.suppress(OSError):
@@ -232,9 +265,20 @@ class FakeMaster:
                     time.sleep(0.5)
 
 
-@pytest.mark.parametrize(("key", "why"), [(b"guess", "bad mac"), (KEY, "no welcome")])
-def test_a_worker_refuses_a_watchdog_that_is_not_its_master(tmp_path: Path, key: bytes, why: str):
-    fake = FakeMaster(key, replay_welcome=key == KEY)
+@pytest.mark.parametrize(
+    ("key", "challenge", "why"),
+    [
+        (b"guess", None, "bad mac"),
+        (KEY, None, "no welcome"),
+        (KEY, ISSUE_PROBES["5,000 ["], "not a frame"),
+        (KEY, ISSUE_PROBES["a lone surrogate in the body"], "a frame of an older llama-job"),
+    ],
+    ids=["another key", "a replayed welcome", "5,000 [", "a lone surrogate"],
+)
+def test_a_worker_refuses_a_watchdog_that_is_not_its_master(
+    tmp_path: Path, key: bytes, challenge: bytes | None, why: str
+):
+    fake = FakeMaster(key, replay_welcome=key == KEY, challenge=challenge)
     (tmp_path / "job.py").write_text(JOB)
     (tmp_path / "w.env").write_text('STEPS="3"\nSTEP_S="0.1"\n')
     spec = {
@@ -258,7 +302,7 @@ def test_a_worker_refuses_a_watchdog_that_is_not_its_master(tmp_path: Path, key:
     assert (state["phase"], state["reason"]["kind"]) == ("failed", "start"), log
     assert why in state["reason"]["message"], log
     assert "attempt 1: starting" not in log  # the forged start was never obeyed
-    if key == KEY:
+    if key == KEY and challenge is None:
         assert fake.helloed  # it got as far as the welcome, which answered another nonce
 
 

@@ -1,6 +1,6 @@
 """The preflight's consistency filter: table, odd-node detection, missing facts; the links:
-llama_links (interfaces, a real server and client over loopback), the networks the nodes share,
-the interface a run uses and the fact the planner reads."""
+llama_links's interfaces (its server and client: tests/test_link_server.py), the networks the
+nodes share, the interface a run uses and the fact the planner reads."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -163,28 +162,8 @@ def test_this_machines_interfaces_leave_out_loopback_and_carry_their_address() -
     assert all(info["mtu"] for info in found.values())
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def test_a_real_server_answers_a_measurement_and_ignores_a_port_probe() -> None:
-    port, served = _free_port(), []
-    server = threading.Thread(target=lambda: served.append(llama_links.serve(port, 1, 20)))
-    server.start()
-    for _ in range(100):  # until it listens
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()  # a probe
-            break
-        except OSError:
-            threading.Event().wait(0.05)
-    found = llama_links.measure("127.0.0.1", port, seconds=0.2, pings=5, timeout=10)
-    server.join(timeout=20)
-    assert served == [1]
-    assert found["bytes"] > 0
-    assert found["tcp_gbps"] == pytest.approx(found["bytes"] * 8 / found["seconds"] / 1e9, rel=0.01)
-    assert 0 < found["rtt_ms"] < 50
+# The link server and the measuring side on real sockets, with check.yml's secret and against
+# hostile peers: tests/test_link_server.py.
 
 
 def _iface(

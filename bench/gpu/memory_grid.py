@@ -88,6 +88,19 @@ SHAPES: dict[str, dict[str, Any]] = {
         "vocab_size": 151936,
         "tie_word_embeddings": True,
     },
+    "4b": {  # Qwen3-4B
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        "rope_theta": 1000000.0,
+        "hidden_size": 2560,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 9728,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+    },
     "7b": {
         **_QWEN,
         "hidden_size": 3584,
@@ -108,6 +121,16 @@ SHAPES: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 8,
         "intermediate_size": 14336,
         "vocab_size": 128256,
+        "tie_word_embeddings": False,
+    },
+    "14b": {  # Qwen2.5-14B
+        **_QWEN,
+        "hidden_size": 5120,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+        "intermediate_size": 13824,
+        "vocab_size": 152064,
         "tie_word_embeddings": False,
     },
     # CPU smoke test of this script only.
@@ -149,6 +172,18 @@ ZERO = {
         "round_robin_gradients": True,
     },
     "zero3": _ZERO3,
+    # ZeRO-Offload proper: ZeRO-2 with the optimizer (fp32 master weights, AdamW) on the host.
+    "zero2_offload": {
+        "stage": 2,
+        "allgather_partitions": True,
+        "allgather_bucket_size": 500000000,
+        "reduce_scatter": True,
+        "reduce_bucket_size": 500000000,
+        "overlap_comm": False,
+        "contiguous_gradients": True,
+        "round_robin_gradients": True,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+    },
     "zero3_offload": {
         **_ZERO3,
         "offload_optimizer": {"device": "cpu", "pin_memory": True},
@@ -159,45 +194,75 @@ ZERO = {
 
 @dataclass(frozen=True)
 class Point:
-    """One configuration: shape, fine-tuning, stage, checkpointing, micro-batch, GPU cap."""
+    """One configuration: shape, fine-tuning, stage, checkpointing, micro-batch, GPU cap, and the
+    memory-saving techniques of issue 38 (an optimizer, 4-bit QLoRA weights, Liger's kernels);
+    `steps` > STEPS and `seed` make a numerics run (its loss recorded at every step)."""
 
     shape: str
     finetuning: str  # full | lora
-    stage: str  # none | zero2 | zero3 | zero3_offload
+    stage: str  # none | zero2 | zero2_offload | zero3 | zero3_offload
     checkpointing: bool
     micro_batch: int
     cutoff: int  # tokens of one packed row
     cap_gib: int  # the emulated GPU: 24, 48, 80 or 141 (the whole H200)
+    optim: str = "adamw_torch"  # transformers' `optim`: adamw_torch_8bit (torchao), adamw_8bit (bnb)
+    quant: int = 0  # quantization_bit: 4 = QLoRA (bitsandbytes NF4)
+    liger: bool = False  # enable_liger_kernel (fused linear cross-entropy among them)
+    steps: int = STEPS
+    seed: int = 42
+    alone: bool = False  # timed: starts on an idle GPU, and nothing starts beside it
 
     @property
     def name(self) -> str:
         ckpt = "ckpt" if self.checkpointing else "nockpt"
-        return (
+        name = (
             f"{self.shape}-{self.finetuning}-{self.stage}-{ckpt}-"
             f"{self.micro_batch}x{self.cutoff}-cap{self.cap_gib}"
         )
+        extras = [
+            self.optim if self.optim != "adamw_torch" else "",
+            f"q{self.quant}" if self.quant else "",
+            "liger" if self.liger else "",
+            f"{self.steps}steps-seed{self.seed}" if self.steps != STEPS else "",
+            "alone" if self.alone else "",
+        ]
+        return "-".join([name, *[e for e in extras if e]])
 
     @property
     def tokens(self) -> int:
         """Tokens of one micro-batch (packed rows are full)."""
         return self.micro_batch * self.cutoff
 
+    @property
+    def offload(self) -> bool:
+        """Whether DeepSpeed's CPU Adam runs the optimizer (host memory, one at a time)."""
+        return self.stage.endswith("_offload")
+
     def seconds(self) -> float:
-        """A rough duration, for the deadline: start-up, model load and STEPS steps."""
-        size = {"0.5b": 0.5, "1.5b": 1.5, "3b": 3, "7b": 7.6, "8b": 8, "tiny": 0.01}[self.shape]
+        """A rough duration, for the deadline: start-up, model load and the steps."""
+        size = SIZES_B[self.shape]
         per_step = 0.05 * size * self.tokens / 4096 * (1.4 if self.checkpointing else 1.0)
         if self.stage == "zero3":
             per_step *= 3
-        if self.stage == "zero3_offload":
+        if self.offload:
             per_step += 0.6 * size if self.finetuning == "full" else 0.3 * size
-        return 35 + 4 * size + STEPS * per_step
+        load = 4 * size * (3 if self.quant else 1)
+        return 35 + load + self.steps * per_step
+
+
+SIZES_B = {"0.5b": 0.5, "1.5b": 1.5, "3b": 3, "4b": 4, "7b": 7.6, "8b": 8, "14b": 14.8, "tiny": 0.01}
 
 
 def _p(spec: str) -> Point:
-    """`shape ft stage ckpt|nockpt MBxCUTOFF cap` -> Point."""
-    shape, ft, stage, ckpt, batch, cap = spec.split()
+    """`shape ft stage ckpt|nockpt MBxCUTOFF cap [key=value ...]` -> Point."""
+    shape, ft, stage, ckpt, batch, cap, *extra = spec.split()
     micro, cutoff = batch.split("x")
-    return Point(shape, ft, stage, ckpt == "ckpt", int(micro), int(cutoff), int(cap))
+    options: dict[str, Any] = {}
+    for item in extra:
+        key, _, value = item.partition("=")
+        default = getattr(Point, key)
+        options[key] = (value.lower() == "true") if isinstance(default, bool) else type(default)(value)
+    return Point(shape, ft, stage, ckpt == "ckpt", int(micro), int(cutoff), int(cap), **options)
 
 
 # In priority order: what a partial run covers first. Caps are chosen so that most points fit
@@ -269,6 +334,51 @@ SMOKE = [
     _p("tiny full none ckpt 1x512 24"),
 ]
 
+# Issue 38: the cards users own (24-48 GiB). In priority order: the numerics runs first (300
+# steps of a 1.5B full fine-tune, one packed row of 2048 tokens a step, side by side: fp32 AdamW,
+# each 8-bit AdamW with the same data and seed, and fp32 AdamW with another seed for the
+# run-to-run noise), then the memory points of each technique (several side by side, each under
+# its cap), then timed points alone on the GPU.
+NUMERICS = "1.5b full none ckpt 1x2048 28 steps=300"
+CARDS = [
+    _p(s)
+    for s in (
+        f"{NUMERICS} optim=adamw_torch",
+        f"{NUMERICS} optim=adamw_torch_8bit",
+        f"{NUMERICS} optim=adamw_8bit",
+        f"{NUMERICS} optim=adamw_torch seed=43",
+        # fp32 AdamW again with the first run's seed: a second name (cap 29), the same numerics
+        "1.5b full none ckpt 1x2048 29 steps=300",
+        "1.5b full none ckpt 2x2048 24 optim=adamw_torch_8bit",
+        "1.5b full none ckpt 4x2048 24 optim=adamw_torch_8bit",
+        "1.5b full none ckpt 2x2048 24 optim=adamw_8bit",
+        "4b full zero2_offload ckpt 2x2048 24",
+        "8b lora none ckpt 2x2048 24 quant=4",
+        "1.5b full none ckpt 4x2048 24 optim=adamw_torch_8bit liger=true",
+        "4b full none ckpt 2x2048 48 optim=adamw_torch_8bit",
+        "4b full none ckpt 1x2048 24 optim=adamw_torch_8bit",
+        "8b lora none ckpt 4x2048 24 quant=4",
+        "1.5b full zero2_offload ckpt 4x2048 24",
+        "8b lora none nockpt 1x2048 24 quant=4",
+        "8b lora none ckpt 4x2048 24 liger=true",
+        "1.5b full none nockpt 2x2048 48 optim=adamw_torch_8bit",
+        "4b full none nockpt 1x2048 80 optim=adamw_torch_8bit",
+        "4b lora none ckpt 4x2048 24 quant=4",
+        "8b lora none ckpt 8x2048 48 quant=4",
+        # Timed, alone on the GPU (the cost model's new terms).
+        "8b lora none ckpt 4x2048 24 quant=4 alone=true",
+        "1.5b full none ckpt 2x2048 24 optim=adamw_torch_8bit alone=true",
+        "4b full zero2_offload ckpt 2x2048 24 alone=true",
+        "4b full none ckpt 2x2048 48 optim=adamw_torch_8bit alone=true",
+    )
+]
+SMOKE_CARDS = [
+    _p("tiny full none ckpt 2x256 24 steps=12 optim=adamw_torch"),
+    _p("tiny full none ckpt 2x256 24 steps=12 seed=43"),
+    _p("tiny full none nockpt 1x256 24 alone=true"),
+]
+GRIDS = {"memory": (GRID, SMOKE), "cards": (CARDS, SMOKE_CARDS)}
+
 
 # --------------------------------------------------------------------------------------------
 # The training process (torchrun's target): LLaMA-Factory's run_exp plus a recorder.
@@ -334,17 +444,25 @@ def entry(config_path: Path) -> None:
                 round(torch.cuda.max_memory_allocated() / GIB, 3) if gpu else 0.0
             )
 
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any) -> None:  # noqa: ANN401
+            """The loss of every step (logging_steps 1); after the last one the process leaves."""
+            if logs and "loss" in logs:
+                record.setdefault("losses", []).append([state.global_step, float(logs["loss"])])
+            if state.global_step >= state.max_steps:
+                leave()
+
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:  # noqa: ANN401
             if gpu:
                 torch.cuda.synchronize()
             now = time.perf_counter()
             record["steps"].append(round(now - self.last, 4))
             self.last = now
-            done = state.global_step >= state.max_steps
-            write("ok" if done else "running")
-            if done:
-                sys.stdout.flush()
-                os._exit(0)
+            write("ok" if state.global_step >= state.max_steps else "running")
+
+    def leave() -> None:
+        write("ok")
+        sys.stdout.flush()
+        os._exit(0)
 
     config = yaml.safe_load(config_path.read_text())
     from llamafactory.train.tuner import run_exp  # noqa: PLC0415
@@ -357,6 +475,8 @@ def entry(config_path: Path) -> None:
         record["error"] = text[-600:]
         write("oom" if "out of memory" in text.lower() else "error")
         raise
+    if record["status"] == "ok":  # the last step logged no loss: it ended all the same
+        leave()
     record["error"] = "training ended before max_steps"
     write("error")
 
@@ -436,7 +556,8 @@ def train_config(point: Point, model: Path, data: Path, out: Path, gpu: bool) ->
         "per_device_train_batch_size": point.micro_batch,
         "gradient_accumulation_steps": 1,
         "learning_rate": 1.0e-4 if point.finetuning == "lora" else 1.0e-5,
-        "max_steps": STEPS,
+        "max_steps": point.steps,
+        "seed": point.seed,
         "lr_scheduler_type": "cosine",
         "warmup_ratio": 0.0,
         "bf16": gpu,
@@ -450,6 +571,12 @@ def train_config(point: Point, model: Path, data: Path, out: Path, gpu: bool) ->
     }
     if point.finetuning == "lora":
         cfg.update({"lora_rank": 8, "lora_target": "all"})
+    if point.optim != "adamw_torch":
+        cfg["optim"] = point.optim
+    if point.quant:
+        cfg.update({"quantization_bit": point.quant, "quantization_method": "bnb"})
+    if point.liger:
+        cfg["enable_liger_kernel"] = True
     if point.stage != "none":
         ds = {
             "train_batch_size": "auto",
@@ -527,7 +654,8 @@ class Grid:
         self.work: Path = args.work
         self.out: Path = args.out
         self.smoke: bool = args.smoke
-        self.points = SMOKE if args.smoke else GRID
+        grid, smoke = GRIDS[args.grid]
+        self.points = smoke if args.smoke else grid
         if args.only:
             self.points = [p for p in self.points if p.name in set(args.only)]
         self.results = self.work / "results.jsonl"
@@ -535,7 +663,9 @@ class Grid:
         self.running: list[Running] = []
         self.port = 29600
         self.generating: subprocess.Popen | None = None
+        self.generate_gib = GENERATE_GIB
         self.cpu_adam: subprocess.Popen | None = None
+        self.out.mkdir(parents=True, exist_ok=True)
         self.log = (self.out / "grid.log").open("a")
 
     def say(self, msg: str) -> None:
@@ -567,6 +697,7 @@ class Grid:
         for shape in dict.fromkeys(p.shape for p in pending):
             if not self.model_dir(shape).exists():
                 self.say(f"generating model {shape}")
+                self.generate_gib = 2.2 * SIZES_B[shape] + 4
                 self.generating = subprocess.Popen(
                     [sys.executable, __file__, "make-model", shape, str(self.model_dir(shape))],
                     env=self.env(),
@@ -703,16 +834,21 @@ class Grid:
         now = time.monotonic()
         gen = self.generating is not None and self.generating.poll() is None
         free = SHARED_GIB - sum(r.point.cap_gib for r in self.running)
-        free -= GENERATE_GIB if gen else 0.0
+        free -= self.generate_gib if gen else 0.0
         adam_ready = self.cpu_adam is None or self.cpu_adam.poll() is not None
         head_blocked = False
         # One offload point at a time: each holds tens of GiB of host memory (the first call
         # ran four at once and the kernel killed one).
-        offloading = any(r.point.stage == "zero3_offload" for r in self.running)
+        offloading = any(r.point.offload for r in self.running)
+        # A timed point runs on an idle GPU, and nothing starts beside it.
+        if any(r.point.alone for r in self.running):
+            return
         for p in list(pending):
             if not self.model_dir(p.shape).exists():
                 continue
-            if p.stage == "zero3_offload" and (not adam_ready or offloading):
+            if p.offload and (not adam_ready or offloading):
+                continue
+            if p.alone and (self.running or gen):
                 continue
             if now + p.seconds() > self.deadline:
                 continue
@@ -721,7 +857,9 @@ class Grid:
                 pending.remove(p)
                 self.launch(p, data)
                 free -= need
-                offloading = offloading or p.stage == "zero3_offload"
+                offloading = offloading or p.offload
+                if p.alone:
+                    return
                 waited.pop(p.name, None)
             else:
                 # A large point that waits too long stops smaller ones from jumping ahead.
@@ -743,7 +881,7 @@ class Grid:
         done = self.done()
         pending = [p for p in self.points if p.name not in done]
         self.say(f"{len(done)} points done before, {len(pending)} to run")
-        if any(p.stage == "zero3_offload" for p in pending) and not self.smoke:
+        if any(p.offload for p in pending) and not self.smoke:
             self.cpu_adam = subprocess.Popen(
                 [sys.executable, "-c", CPU_ADAM],
                 env=self.env(),
@@ -859,12 +997,14 @@ def collect(paths: list[Path], to: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("points")
+    pts = sub.add_parser("points")
+    pts.add_argument("--grid", choices=sorted(GRIDS), default="memory")
     run = sub.add_parser("run")
     run.add_argument("--work", type=Path, default=Path("/tmp/grid"))
     run.add_argument("--out", type=Path, required=True)
     run.add_argument("--deadline", type=float, default=540.0)
     run.add_argument("--smoke", action="store_true", help="the tiny CPU points")
+    run.add_argument("--grid", choices=sorted(GRIDS), default="memory", help="which grid")
     run.add_argument("--only", nargs="*", help="point names")
     ent = sub.add_parser("entry")
     ent.add_argument("config", type=Path)
@@ -876,7 +1016,7 @@ def main() -> int:
     col.add_argument("--to", type=Path, required=True)
     args = parser.parse_args()
     if args.cmd == "points":
-        for p in GRID:
+        for p in GRIDS[args.grid][0]:
             print(f"{p.name}  est {p.seconds():.0f} s")
         return 0
     if args.cmd == "entry":

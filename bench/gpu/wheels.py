@@ -43,6 +43,7 @@ LIMIT_BYTES = 64 * 2**20
 PLATFORMS = [
     "manylinux_2_17_x86_64",
     "manylinux2014_x86_64",
+    "manylinux_2_24_x86_64",
     "manylinux_2_27_x86_64",
     "manylinux_2_28_x86_64",
     "manylinux_2_34_x86_64",
@@ -155,6 +156,38 @@ def build_deepspeed(req: Requirement, dest: Path, cache: Path) -> None:
         )
 
 
+# bitsandbytes ships one library per CUDA release (130 MB unpacked, 43 MB zipped); the image's
+# torch is built for CUDA 13.0, so only that one (and the CPU fallback) travels.
+BNB_KEEP = ("libbitsandbytes_cuda130.so", "libbitsandbytes_cpu.so")
+
+
+def slim_bitsandbytes(wheel: Path) -> None:
+    """Rewrite the bitsandbytes wheel with only the native libraries the GPU machine loads
+    (its RECORD rewritten to match, so pip installs it as it would the original)."""
+    with zipfile.ZipFile(wheel) as src:
+        names = [
+            n
+            for n in src.namelist()
+            if not (n.endswith(".so") and Path(n).name.startswith("libbitsandbytes_"))
+            or Path(n).name in BNB_KEEP
+        ]
+        if len(names) == len(src.namelist()):
+            return
+        record = next(n for n in names if n.endswith(".dist-info/RECORD"))
+        kept = set(names)
+        lines = [
+            line
+            for line in src.read(record).decode().splitlines()
+            if line.split(",", 1)[0] in kept
+        ]
+        tmp = wheel.with_suffix(".tmp")
+        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as out:
+            for name in names:
+                data = "\n".join(lines) + "\n" if name == record else src.read(name)
+                out.writestr(src.getinfo(name), data)
+    tmp.replace(wheel)
+
+
 def fill(dest: Path, pins: list[Requirement], cache: Path) -> None:
     """Put one wheel per pin into dest (keeping the ones already there)."""
     dest.mkdir(parents=True, exist_ok=True)
@@ -178,6 +211,8 @@ def fill(dest: Path, pins: list[Requirement], cache: Path) -> None:
             download(req, dest)
             source = "downloaded (cp312)"
         print(f"{req}: {source}")
+    for wheel in dest.glob("bitsandbytes-*.whl"):
+        slim_bitsandbytes(wheel)
 
 
 def requires(path: Path) -> list[Requirement]:

@@ -1,4 +1,5 @@
-"""Verify the in_use scenario: a server in use keeps its SSH, its rules, its service, its sysctl.
+"""Verify the in_use scenario: a server in use keeps its SSH, its rules, its service, its sysctl,
+and a server whose ufw is off keeps it off and its service reachable.
 
 Runs under `molecule verify -s in_use` after the plan (plan.yml), converge and idempotence. The
 plan's tests come first: the later tests change the nodes. The nodes are inspected with the docker
@@ -8,6 +9,7 @@ the key prepare.yml made.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -173,14 +175,16 @@ def test_the_plan_lists_what_the_real_run_then_did_category_by_category() -> Non
             )  # fmt: skip
 
 
-def test_the_plan_shows_the_server_in_use_and_the_fresh_node_apart() -> None:
+def test_the_plan_shows_the_server_in_use_and_the_server_with_ufw_off_apart() -> None:
     listed = runs()[0]["hosts"]
-    # node1's ufw is already on with the operator's rule: SSH and the nodes are added, ufw is not
-    # enabled again; node2's ufw is enabled.
+    # node1's ufw is already on with the operator's rules: the nodes' rules are added, ufw is not
+    # enabled again, and no SSH rule: the operator's `2222/tcp mine-ssh` already allows it.
     assert "ufw --force enable" not in listed[NODE1]["firewall"]
-    assert "ufw --force enable" in listed[NODE2]["firewall"]
-    assert [c for c in listed[NODE1]["firewall"] if "port 2222" in c]
+    assert [c for c in listed[NODE1]["firewall"] if "llama-cluster nodes" in c]
+    assert not [c for c in listed[NODE1]["firewall"] if "2222" in c]
     assert not listed[NODE1].get("sysctls")
+    # node2's ufw is off: nothing at all in the firewall.
+    assert not listed[NODE2].get("firewall")
 
 
 def test_sshd_listens_on_2222_only_and_answers_the_controller() -> None:
@@ -192,17 +196,24 @@ def test_sshd_listens_on_2222_only_and_answers_the_controller() -> None:
         assert result.stdout.strip() == name
 
 
-def test_ufw_opens_sshd_s_real_port_and_no_other_ssh_port() -> None:
-    for name in (NODE1, NODE2):
-        rules = added(name)
-        assert f"ufw allow {SSH_PORT}/tcp comment 'llama-cluster ssh'" in rules
-        assert not [rule for rule in rules if rule.startswith("ufw allow 22/")]
-        assert "Status: active" in node(name).check_output("ufw status")
+def test_the_operator_s_identical_ssh_rule_is_not_relabelled() -> None:
+    rules = added(NODE1)
+    assert f"ufw allow {SSH_PORT}/tcp comment 'mine-ssh'" in rules
+    assert not [rule for rule in rules if "llama-cluster ssh" in rule], rules
+    assert "Status: active" in node(NODE1).check_output("ufw status")
+
+
+def test_ufw_that_was_off_stays_off_and_the_foreign_service_still_answers() -> None:
+    assert node(NODE2).check_output("ufw status") == "Status: inactive"
+    assert added(NODE2) == ["(None)"]
+    assert node(NODE2).service("foreign-exporter").is_running
+    with urllib.request.urlopen(f"http://{address(NODE2)}:9100/", timeout=5) as reply:
+        assert reply.status == 200
 
 
 def test_the_operator_s_rule_and_service_are_untouched() -> None:
     rules = added(NODE1)
-    assert rules[0] == "ufw allow 8080"
+    assert rules[:2] == ["ufw allow 8080", f"ufw allow {SSH_PORT}/tcp comment 'mine-ssh'"]
     assert node(NODE1).service("foreign-http").is_running
     with urllib.request.urlopen(f"http://{address(NODE1)}:8080/", timeout=5) as reply:
         assert reply.status == 200
@@ -214,11 +225,10 @@ def test_the_operator_s_port_range_is_unchanged() -> None:
     assert not node(NODE1).file("/etc/sysctl.d/60-llama-cluster-nccl.conf").exists
 
 
-def test_the_nodes_reach_each_other_and_only_each_other() -> None:
-    for name in (NODE1, NODE2):
-        rules = added(name)
-        for peer in (NODE1, NODE2):
-            assert f"ufw allow from {address(peer)} comment 'llama-cluster nodes'" in rules
+def test_the_node_whose_ufw_is_on_lets_every_node_in() -> None:
+    rules = added(NODE1)
+    for peer in (NODE1, NODE2):
+        assert f"ufw allow from {address(peer)} comment 'llama-cluster nodes'" in rules
 
 
 def test_a_run_over_ssh_on_2222_changes_nothing() -> None:
@@ -228,18 +238,63 @@ def test_a_run_over_ssh_on_2222_changes_nothing() -> None:
     assert not re.search(r"changed=[1-9]", result.stdout), result.stdout[-3000:]
 
 
-def test_a_lock_out_is_rolled_back_and_names_the_node() -> None:
-    before = node(NODE1).check_output("ufw status verbose")
-    # SSH only from an address the controller does not have: a new connection must fail.
-    result = playbook(
+def test_narrowing_ssh_s_sources_never_deletes_the_operator_s_rule() -> None:
+    # The probe of issue 40: ssh from the controller's network only, then from anyone again.
+    network = str(ipaddress.ip_interface(
+        node(NODE1).check_output("ip -o -f inet addr show eth0").split()[3]
+    ).network)  # fmt: skip
+    mine = f"ufw allow {SSH_PORT}/tcp comment 'mine-ssh'"
+    ours = f"ufw allow from {network} to any port {SSH_PORT} proto tcp comment 'llama-cluster ssh'"
+    narrowed = playbook(
         [NODE1, NODE2], "--limit", NODE1, "--tags", "firewall",
-        "-e", '{"firewall_ssh_sources": ["192.0.2.1"], "firewall_connection_check_timeout": 10}',
+        "-e", json.dumps({"firewall_ssh_sources": [network]}),
+    )  # fmt: skip
+    assert narrowed.returncode == 0, said(narrowed)[-3000:]
+    assert mine in added(NODE1)
+    assert ours in added(NODE1)
+    widened = playbook([NODE1, NODE2], "--limit", NODE1, "--tags", "firewall")
+    assert widened.returncode == 0, said(widened)[-3000:]
+    assert mine in added(NODE1)
+    assert ours not in added(NODE1)
+    assert "left under their own comment" in said(widened)
+    assert ssh(NODE1, "true").returncode == 0
+
+
+def test_a_lock_out_is_rolled_back_to_ufw_off_and_names_the_node() -> None:
+    before = node(NODE2).check_output("ufw status verbose"), added(NODE2)
+    # Asked to turn node2's ufw on, with SSH only from an address the controller does not have:
+    # the new connection must fail, and ufw goes back off.
+    result = playbook(
+        [NODE1, NODE2], "--limit", NODE2, "--tags", "firewall",
+        "-e", json.dumps({"firewall_enable_inactive_ufw": True,
+                          "firewall_ssh_sources": ["192.0.2.1"],
+                          "firewall_connection_check_timeout": 10}),
     )  # fmt: skip
     assert result.returncode != 0
-    assert f"after ufw changed on {NODE1}, the controller could not open a new SSH" in said(result)
+    assert f"after ufw changed on {NODE2}, the controller could not open a new SSH" in said(result)
     assert "ufw was rolled back" in said(result)
-    assert node(NODE1).check_output("ufw status verbose") == before
-    assert ssh(NODE1, "true").returncode == 0
+    assert (node(NODE2).check_output("ufw status verbose"), added(NODE2)) == before
+    assert ssh(NODE2, "true").returncode == 0
+    with urllib.request.urlopen(f"http://{address(NODE2)}:9100/", timeout=5) as reply:
+        assert reply.status == 200
+
+
+def test_asked_to_the_node_turns_its_ufw_on_with_ssh_allowed_first() -> None:
+    result = playbook(
+        [NODE1, NODE2], "--limit", NODE2, "--tags", "firewall",
+        "-e", '{"firewall_enable_inactive_ufw": true}',
+    )  # fmt: skip
+    assert result.returncode == 0, said(result)[-3000:]
+    # The service that only the cluster's nodes reach from now on is named.
+    assert "no rule names these listening TCP ports" in said(result)
+    assert "9100/tcp (python3)" in said(result)
+    rules = added(NODE2)
+    assert f"ufw allow {SSH_PORT}/tcp comment 'llama-cluster ssh'" in rules
+    assert not [rule for rule in rules if rule.startswith("ufw allow 22/")]
+    for peer in (NODE1, NODE2):
+        assert f"ufw allow from {address(peer)} comment 'llama-cluster nodes'" in rules
+    assert "Status: active" in node(NODE2).check_output("ufw status")
+    assert ssh(NODE2, "true").returncode == 0
 
 
 def test_a_node_taken_out_of_the_inventory_loses_its_rules_on_the_others() -> None:
@@ -249,5 +304,5 @@ def test_a_node_taken_out_of_the_inventory_loses_its_rules_on_the_others() -> No
     rules = added(NODE1)
     assert not [rule for rule in rules if gone in rule], rules
     assert f"ufw allow from {address(NODE1)} comment 'llama-cluster nodes'" in rules
-    assert rules[0] == "ufw allow 8080"
+    assert rules[:2] == ["ufw allow 8080", f"ufw allow {SSH_PORT}/tcp comment 'mine-ssh'"]
     assert ssh(NODE1, "true").returncode == 0

@@ -87,7 +87,9 @@ def links_open(
 
 
 def links_pairs(networks: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
-    """Every ordered pair of nodes on every shared network: who sends, to which address."""
+    """Every ordered pair of nodes on every shared network: who sends, to which address, and
+    the sender's address there (the receiver connects to it: llama_links measures what it
+    receives)."""
     return [
         {
             "source": source,
@@ -95,6 +97,7 @@ def links_pairs(networks: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
             "network": net["network"],
             "ifname": net["hosts"][source]["ifname"],
             "address": net["hosts"][target]["address"],
+            "source_address": net["hosts"][source]["address"],
         }
         for net in networks
         for source in sorted(net["hosts"])

@@ -272,3 +272,65 @@ def driver_action(
     policy = {"allow_reboot": allow_reboot, "controller": controller, "inventory": inventory or []}
     decision["stop"] = decision.get("stop") or _stop(case, decision, policy)
     return decision
+
+
+# ---- the driver's packages and NVIDIA's CUDA repository ------------------------------------------
+# NVIDIA's CUDA repository (Release label "NVIDIA CUDA", a mirror's too) carries the driver as
+# well as the toolkit, newer than the distro's and under the distro's own names on Ubuntu
+# (libnvidia-compute-580, nvidia-utils-580, ...). Added unpinned for the toolkit, the next
+# `apt upgrade` swaps the driver's userspace from that repository under the module that runs, and
+# every CUDA program on the node fails ("Driver/library version mismatch") until a reboot.
+# The driver's packages on Ubuntu (nvidia-driver-580, libnvidia-compute-580, nvidia-utils-580,
+# linux-modules-nvidia-580-*, cuda-drivers-580, ...) and on Debian (nvidia-driver,
+# nvidia-kernel-dkms, nvidia-smi, libcuda1, libnvcuvid1, libnvoptix1, firmware-nvidia-gsp, ...):
+# every name that holds "nvidia", and the few that do not.
+DRIVER_PACKAGES = "/nvidia/ cuda-drivers* libcuda1* libnvcuvid* libnvoptix* libxnvctrl*"
+CUDA_REPO_RELEASE = "l=NVIDIA CUDA"
+
+
+def held_driver(decision: Mapping[str, Any] | None) -> str:
+    """The driver version a node keeps, from driver_action's decision: the one on disk for the
+    running kernel, else the loaded one; '' while the decision is to install or upgrade (the
+    packages to come must not be held back by the version they replace) or with no driver."""
+    if not decision or decision.get("action") in ("install", "upgrade"):
+        return ""
+    return str(decision.get("installed") or decision.get("loaded") or "")
+
+
+def apt_preferences(driver_from_repo: bool, held: str = "") -> str:
+    """/etc/apt/preferences.d's file that keeps NVIDIA's CUDA repository off the driver.
+
+    driver_from_repo: the driver's packages come from that repository (nvidia_driver_source
+    cuda_repo); held: the driver version the node keeps ('580.95.05', held_driver), '' before one
+    is installed. The driver from elsewhere (the distro, the operator's): no version of a driver
+    package is ever taken from the repository. The driver from the repository: the version the
+    node has is held (priority 990, from any source, so neither the repository's newer build nor
+    the distro's replaces it) and every other version of the repository's is refused; with no
+    driver yet, nothing is said of the driver, so that its install can take it.
+    """
+    if held and not VERSION_RE.match(held):
+        raise ValueError(f"the driver version to hold is {held!r}, not a version such as 580.95.05")
+    lines = [
+        "# Managed by llama-cluster (roles/cuda_toolkit, roles/nvidia_driver): NVIDIA's CUDA",
+        "# repository gives the toolkit; it never replaces the driver's packages under a running",
+        "# module (an `apt upgrade` would break every CUDA program until a reboot).",
+    ]
+    if driver_from_repo and not held:
+        lines.append("# The driver is to come from the repository: held once installed.")
+        return "\n".join(lines) + "\n"
+    if driver_from_repo:
+        lines += [
+            f"# The driver came from the repository: {held} is held, no other version is taken.",
+            f"Package: {DRIVER_PACKAGES}",
+            f"Pin: version {held}*",
+            "Pin-Priority: 990",
+            "",
+        ]
+    else:
+        lines.append("# The driver comes from elsewhere: none of its packages from the repository.")
+    lines += [
+        f"Package: {DRIVER_PACKAGES}",
+        f"Pin: release {CUDA_REPO_RELEASE}",
+        "Pin-Priority: -1",
+    ]
+    return "\n".join(lines) + "\n"

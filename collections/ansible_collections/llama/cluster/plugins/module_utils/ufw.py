@@ -3,7 +3,10 @@
 Used on the nodes by the llama_ufw module (Python 3.10+) and tested on the controller against
 the output of ufw 0.36.1 (Ubuntu 22.04) and 0.36.2 (Ubuntu 24.04, Debian 12). The project's
 rules carry a comment that starts with "llama-cluster": only rules whose comment the caller
-owns are ever deleted, every other rule (an operator's, another tool's) is left alone.
+owns are ever deleted, every other rule (an operator's, another tool's) is left alone. A rule
+the node already has under another comment (or none) is never added again: ufw would take the
+new comment for the old rule, and the project would then own, and one day delete, the
+operator's rule.
 """
 
 from __future__ import annotations
@@ -35,8 +38,13 @@ class Rule:
     spec: str = field(default="", compare=False)
 
     def key(self) -> tuple[str, str, str, str, str, tuple[str, ...]]:
-        """What makes two rules the same rule for ufw (the comment included)."""
-        return (self.action, self.src, self.port, self.proto, self.comment, self.extra)
+        """What makes two rules the same rule, comment included."""
+        return (*self.access(), self.comment)
+
+    def access(self) -> tuple[str, str, str, str, tuple[str, ...]]:
+        """What the rule lets through: ufw takes two rules that differ only in their comment
+        for one rule, and adding the second relabels the first."""
+        return (self.action, self.src, self.port, self.proto, self.extra)
 
 
 @dataclass
@@ -202,6 +210,47 @@ def listening_ports(proc_net_tcp: str, inodes: set[str]) -> list[int]:
     return sorted(ports)
 
 
+def _address(hex_address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """An address of /proc/net/tcp{,6}: 32-bit words in the host's (little-endian) order."""
+    raw = bytes.fromhex(hex_address)
+    words = b"".join(raw[at : at + 4][::-1] for at in range(0, len(raw), 4))
+    return ipaddress.ip_address(words)
+
+
+def listening_sockets(proc_net_tcp: str) -> dict[int, set[str]]:
+    """The TCP ports of /proc/net/tcp (or tcp6) listened on other than on loopback: port ->
+    the sockets' inodes. Loopback-only listeners are out of a firewall's reach anyway."""
+    found: dict[int, set[str]] = {}
+    for line in proc_net_tcp.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) <= 9 or fields[3] != "0A":
+            continue
+        host, _, port = fields[1].rpartition(":")
+        address = _address(host)
+        mapped = getattr(address, "ipv4_mapped", None)
+        if address.is_loopback or (mapped is not None and mapped.is_loopback):
+            continue
+        found.setdefault(int(port, 16), set()).add(fields[9])
+    return found
+
+
+def names_port(rule: Rule, port: int) -> bool:
+    """Whether the rule lets TCP in on this port by naming it (a port, a list or a range)."""
+    if rule.action not in {"allow", "limit"} or rule.proto not in {"", "tcp"} or not rule.port:
+        return False
+    for part in rule.port.split(","):
+        low, _, high = part.partition(":")
+        if low.isdigit() and int(low) <= port <= int(high if high.isdigit() else low):
+            return True
+    return False
+
+
+def unruled_ports(listening: dict[int, set[str]], rules: list[Rule]) -> list[int]:
+    """The listening ports no rule names: once ufw denies by default, they answer only the
+    sources allowed on every port (the cluster's nodes)."""
+    return sorted(port for port in listening if not any(names_port(r, port) for r in rules))
+
+
 def normal_source(source: str) -> str:
     """A source as ufw writes it back: a network's host bits cleared, /32 and /128 dropped."""
     if source == ANY:
@@ -258,6 +307,12 @@ def add_command(rule: Rule) -> list[str]:
     return argv
 
 
+def added_line(rule: Rule) -> str:
+    """An existing rule as `ufw show added` prints it."""
+    comment = f" comment '{rule.comment}'" if rule.comment else ""
+    return f"ufw {rule.spec}{comment}"
+
+
 def delete_command(rule: Rule) -> list[str]:
     """The ufw argv that deletes an existing rule: its own spec as `show added` printed it."""
     return ["delete", *shlex.split(rule.spec)]
@@ -265,11 +320,18 @@ def delete_command(rule: Rule) -> list[str]:
 
 @dataclass
 class Plan:
-    """What to run, in this order: add, delete, logging and policies, enable or disable."""
+    """What to run, in this order: add, delete, logging and policies, enable or disable.
+
+    kept: the rules asked for that the node already has under a comment the caller does not
+    own (an operator's rule, or one without comment): left as they are, never relabelled.
+    left_inactive: ufw is off and stays off (if_inactive: leave): nothing is run at all.
+    """
 
     add: list[Rule]
     delete: list[Rule]
     settings: list[list[str]]
+    kept: list[Rule] = field(default_factory=list)
+    left_inactive: bool = False
 
     def commands(self) -> list[list[str]]:
         """Every ufw argv, in the order that never cuts a connection that should stay."""
@@ -278,6 +340,13 @@ class Plan:
             *(delete_command(rule) for rule in self.delete),
             *self.settings,
         ]
+
+
+def leaves_inactive(params: dict[str, Any], *, active: bool) -> bool:
+    """Whether ufw, found off, stays off and untouched: it is only turned on when asked
+    (if_inactive: enable). A server's other services (a node exporter, NFS, a database) would
+    otherwise go dark the moment the default policy turns to deny."""
+    return not active and params["state"] == "enabled" and params.get("if_inactive") != "enable"
 
 
 def plan(
@@ -290,20 +359,35 @@ def plan(
 ) -> Plan:
     """The changes that bring a node's ufw to params.
 
-    params: rules (Rule list), purge_comments (the comments whose rules this caller owns:
-    any such rule not in rules is deleted), logging, default_incoming, default_outgoing, state.
+    params: rules (Rule list: added unless the node has a rule that lets the same through, under
+    any comment), purge_comments (the comments whose rules this caller owns: any such rule that
+    lets through what no rule asked for does is deleted), absent (Rule list: deleted where the
+    node has them, comment included), logging, default_incoming, default_outgoing, state and
+    if_inactive (enable: turn an inactive ufw on; anything else: leave it off and untouched).
     active: `ufw status` says active; added: `ufw show added`; conf, defaults: the texts of
     /etc/ufw/ufw.conf and /etc/default/ufw.
     """
+    if leaves_inactive(params, active=active):
+        return Plan([], [], [], left_inactive=True)
     existing = parse_added(added)
-    have = {rule.key() for rule in existing}
-    want = {rule.key() for rule in params["rules"]}
-    add: list[Rule] = []
-    for rule in params["rules"]:
-        if rule.key() not in have and rule.key() not in {r.key() for r in add}:
-            add.append(rule)
+    have = {rule.access(): rule for rule in existing}
     owned = set(params.get("purge_comments") or [])
-    delete = [rule for rule in existing if rule.comment in owned and rule.key() not in want]
+    add: list[Rule] = []
+    kept: list[Rule] = []
+    for rule in params["rules"]:
+        found = have.get(rule.access())
+        if found is None:
+            if rule.access() not in {r.access() for r in add}:
+                add.append(rule)
+        elif found.comment != rule.comment and found.comment not in owned and found not in kept:
+            kept.append(found)
+    wanted = {rule.access() for rule in params["rules"]}
+    absent = {rule.key() for rule in params.get("absent") or []}
+    delete = [
+        rule
+        for rule in existing
+        if (rule.comment in owned and rule.access() not in wanted) or rule.key() in absent
+    ]
     settings: list[list[str]] = []
     level = shell_value(conf, "LOGLEVEL") or "off"
     if params.get("logging") and params["logging"] != level:
@@ -312,11 +396,11 @@ def plan(
         ("incoming", "DEFAULT_INPUT_POLICY"),
         ("outgoing", "DEFAULT_OUTPUT_POLICY"),
     ):
-        wanted = params.get(f"default_{direction}")
-        if wanted and POLICY_OF.get(shell_value(defaults, key)) != wanted:
-            settings.append(["default", wanted, direction])
+        wanted_policy = params.get(f"default_{direction}")
+        if wanted_policy and POLICY_OF.get(shell_value(defaults, key)) != wanted_policy:
+            settings.append(["default", wanted_policy, direction])
     if params["state"] == "enabled" and not active:
         settings.append(["--force", "enable"])
     if params["state"] == "disabled" and active:
         settings.append(["disable"])
-    return Plan(add, delete, settings)
+    return Plan(add, delete, settings, kept)

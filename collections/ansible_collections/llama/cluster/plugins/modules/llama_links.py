@@ -4,12 +4,17 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
+import hmac
 import ipaddress
+import re
+import secrets
 import socket
 import statistics
 import struct
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +27,15 @@ description:
   - O(mode=interfaces) lists the node's interfaces from /sys/class/net (no iproute2 needed) with
     their kind (C(infiniband), C(roce) for an Ethernet port with an RDMA device, C(ethernet),
     C(bridge), C(other)), link speed, MTU and IPv4 address and prefix.
-  - O(mode=serve) listens on O(port) and answers O(connections) measurements (round trips, then
-    a stream whose bytes it counts) or stops after O(timeout) seconds; started with async.
-  - O(mode=measure) connects to a serving node at O(address), times O(pings) one-byte round trips
-    and then sends for O(seconds); the stream's figure is the bytes the peer received over the
-    time until it acknowledged them, in gigabits per second.
+  - O(mode=serve) listens on O(port) and answers O(connections) measurements (echoes the round
+    trips, then sends a stream) or stops after O(timeout) seconds; started with async. Only a
+    peer that proves it holds O(key) is measured or counted; any other connection, whatever it
+    sends, is answered C(error <why>), closed and counted in RV(refused), and the server goes on.
+    A line is at most 256 bytes and a connection has 3 seconds to authenticate.
+  - O(mode=measure) connects to a serving node at O(address), checks that it holds O(key), times
+    O(pings) one-byte round trips (each a random byte that must come back) and then receives the
+    stream the server sends for O(seconds); the figure is the bytes received here over the time
+    measured here, in gigabits per second (nothing the peer claims is used).
 options:
   mode:
     description: What to do.
@@ -53,9 +62,15 @@ options:
     type: float
     default: 1.0
   pings:
-    description: How many round trips are timed; the median is reported (measure).
+    description: How many round trips are timed, 1 to 1000; the median is reported (measure).
     type: int
     default: 20
+  key:
+    description:
+      - The check's secret, the same on every node (drawn on the controller for each check).
+        Server and client each prove they hold it (HMAC-SHA256 over both sides' nonces) before
+        anything is measured. Required for serve and measure.
+    type: str
 """
 
 EXAMPLES = r"""
@@ -69,6 +84,7 @@ EXAMPLES = r"""
     mode: serve
     port: 29510
     connections: 2
+    key: "{{ links_key }}"
   async: 120
   poll: 0
 
@@ -77,6 +93,7 @@ EXAMPLES = r"""
     mode: measure
     address: 10.0.0.12
     port: 29510
+    key: "{{ links_key }}"
 # tcp_gbps: 9.41; rtt_ms: 0.12
 """
 
@@ -97,6 +114,10 @@ rtt_ms:
 served:
   description: Measurements answered (serve).
   type: int
+  returned: mode=serve
+refused:
+  description: "Connections refused, by why: {why: count} (serve)."
+  type: dict
   returned: mode=serve
 """
 
@@ -163,83 +184,213 @@ def interfaces(root: Path = Path("/sys/class/net")) -> dict[str, dict[str, Any]]
     return found
 
 
-def _line(conn: socket.socket) -> bytes:
-    data = b""
-    while not data.endswith(b"\n"):
-        byte = conn.recv(1)
-        if not byte:
-            break
-        data += byte
-    return data
+# The measurement's conversation, one line each (every line at most LINE_MAX bytes):
+#   server: llama-links 1 <S>                  S: 32 hex digits drawn for this connection
+#   client: hello <C> <hmac(key, "client", S, C)>
+#   server: welcome <hmac(key, "server", C, S)>   (or: error <why>, and it closes)
+#   client: ping <n>, then n single random bytes, each echoed before the next is sent
+#   client: stream <seconds>; the server sends zeros for that long, then closes its side
+#           (the client counts the zeros that arrive: anything else is refused)
+# The key is the check's secret (drawn on the controller for this run), so each side knows the
+# other is one of the run's nodes; the figures are what the client itself timed and received.
+LINE_MAX = 256
+HANDSHAKE_S = 3.0  # seconds a connection gets to authenticate and make its first request
+MAX_PINGS = 1000
+MAX_STREAM_S = 60.0
+GREETING = re.compile(rb"llama-links 1 ([0-9a-f]{32})")
+HELLO = re.compile(rb"hello ([0-9a-f]{32}) ([0-9a-f]{64})")
+WELCOME = re.compile(rb"welcome ([0-9a-f]{64})")
+PING = re.compile(rb"ping ([1-9][0-9]{0,3})")
+STREAM = re.compile(rb"stream ([0-9]{1,2}(?:\.[0-9]{1,6})?)")
 
 
-def answer(conn: socket.socket) -> bool:
-    """One measurement: `ping N` (echo N single bytes), then `stream` (count bytes until EOF,
-    reply the count). False for a connection that sent no request (a port probe)."""
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    words = _line(conn).split()
-    if not words:
-        return False
-    if words[0] == b"ping":
-        for _ in range(int(words[1])):
-            byte = conn.recv(1)
-            if not byte:
-                return True
-            conn.sendall(byte)
-        words = _line(conn).split()
-    if words[:1] == [b"stream"]:
-        received = 0
-        while chunk := conn.recv(CHUNK):
-            received += len(chunk)
-        conn.sendall(b"%d\n" % received)
-    return True
+class Refused(Exception):
+    """The peer said something this side does not accept: the connection ends."""
 
 
-def serve(port: int, connections: int, timeout: float) -> int:
-    """Answer measurements on port until `connections` were served or `timeout` passed."""
-    deadline = time.monotonic() + timeout
-    served = 0
+def proof(key: bytes, side: bytes, first: bytes, second: bytes) -> bytes:
+    """HMAC-SHA256 (hex) of one side's part of the handshake."""
+    said = b"llama-links %s %s %s" % (side, first, second)
+    return hmac.new(key, said, "sha256").hexdigest().encode()
+
+
+class Reader:
+    """Lines and bytes from a socket, buffered, each line bounded, every read before a deadline."""
+
+    def __init__(self, conn: socket.socket, deadline: float) -> None:
+        self.conn = conn
+        self.deadline = deadline
+        self.buffer = b""
+
+    def _more(self) -> None:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise Refused("too slow")
+        self.conn.settimeout(left)
+        try:
+            data = self.conn.recv(4096)
+        except TimeoutError:
+            raise Refused("too slow") from None
+        if not data:
+            raise Refused("closed the connection")
+        self.buffer += data
+
+    def line(self) -> bytes:
+        """The next line without its newline; Refused when it outgrows LINE_MAX."""
+        while (end := self.buffer.find(b"\n")) < 0:
+            if len(self.buffer) >= LINE_MAX:
+                raise Refused(f"a line over {LINE_MAX} bytes")
+            self._more()
+        if end >= LINE_MAX:
+            raise Refused(f"a line over {LINE_MAX} bytes")
+        line, self.buffer = self.buffer[:end], self.buffer[end + 1 :]
+        return line
+
+    def byte(self) -> bytes:
+        """The next byte."""
+        if not self.buffer:
+            self._more()
+        byte, self.buffer = self.buffer[:1], self.buffer[1:]
+        return byte
+
+
+def expect(
+    reader: Reader, pattern: re.Pattern[bytes], what: str, server: bool = False
+) -> re.Match[bytes]:
+    """The next line, when it matches `pattern`; Refused naming `what` was expected (from a
+    `server`, with the `error <why>` it answered)."""
+    line = reader.line()
+    found = pattern.fullmatch(line)
+    if found is not None:
+        return found
+    if server and line.startswith(b"error "):
+        raise Refused(f"it refused: {line[6:].decode('ascii', 'replace')}")
+    raise Refused(f"not {what}")
+
+
+class LinkServer:
+    """Answers measurements on a listening socket, one connection at a time; only a peer that
+    proves it holds the key is measured. A connection that sends anything else is answered with
+    `error <why>` and closed, and counted in `refused`; the server goes on."""
+
+    def __init__(self, server: socket.socket, key: bytes) -> None:
+        self.server = server
+        self.key = key
+        self.served = 0
+        self.refused: Counter[str] = Counter()
+
+    def serve(self, connections: int, deadline: float) -> int:
+        """Answer until `connections` peers were measured, the deadline passed, or the socket
+        was closed; the number measured."""
+        while self.served < connections and (left := deadline - time.monotonic()) > 0:
+            self.server.settimeout(left)
+            try:
+                conn, _ = self.server.accept()
+            except TimeoutError:
+                break
+            except OSError as err:
+                if self.server.fileno() < 0 or err.errno == errno.EINVAL:
+                    break  # closed or shut down: the server's life has ended
+                self.refused[f"not accepted ({err.strerror})"] += 1
+                time.sleep(0.05)
+                continue
+            with conn:
+                self.answer(conn, deadline)
+        return self.served
+
+    def answer(self, conn: socket.socket, deadline: float) -> None:
+        """One connection: measured, or refused and counted (whatever it sent)."""
+        try:
+            self.measured(conn, deadline)
+        except Refused as err:
+            self.refused[str(err)] += 1
+            with contextlib.suppress(OSError):
+                conn.sendall(b"error %s\n" % str(err).encode())
+        except OSError as err:
+            self.refused[f"connection error ({err.strerror or type(err).__name__})"] += 1
+        except Exception as err:  # one connection's failure is only its own
+            self.refused[f"an error serving it ({type(err).__name__})"] += 1
+
+    def measured(self, conn: socket.socket, deadline: float) -> None:
+        """The conversation with one peer (Refused or OSError when it goes wrong)."""
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        nonce = secrets.token_hex(16).encode()
+        conn.settimeout(HANDSHAKE_S)
+        conn.sendall(b"llama-links 1 %s\n" % nonce)
+        reader = Reader(conn, min(deadline, time.monotonic() + HANDSHAKE_S))
+        theirs, mac = expect(reader, HELLO, "a hello").groups()
+        if not hmac.compare_digest(mac, proof(self.key, b"client", nonce, theirs)):
+            raise Refused("not this check's key")
+        conn.sendall(b"welcome %s\n" % proof(self.key, b"server", theirs, nonce))
+        reader.deadline = deadline  # a peer of this run: it has until the server's end
+        pings = int(expect(reader, PING, f"ping <1-{MAX_PINGS}>")[1])
+        if pings > MAX_PINGS:
+            raise Refused(f"not ping <1-{MAX_PINGS}>")
+        for _ in range(pings):
+            conn.sendall(reader.byte())
+        seconds = float(expect(reader, STREAM, "stream <seconds>")[1])
+        if not 0 < seconds <= MAX_STREAM_S:
+            raise Refused(f"not stream <seconds> (above 0, at most {MAX_STREAM_S:g})")
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
+        conn.settimeout(max(1.0, deadline - time.monotonic()))
+        payload = bytes(CHUNK)
+        ends = time.perf_counter() + seconds
+        while time.perf_counter() < ends:
+            conn.sendall(payload)
+        conn.shutdown(socket.SHUT_WR)
+        self.served += 1
+
+
+def serve(port: int, connections: int, timeout: float, key: bytes) -> LinkServer:
+    """Answer measurements on port until `connections` were measured or `timeout` passed."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
         server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         server.bind(("0.0.0.0", port))
         server.listen(8)
-        while served < connections and (left := deadline - time.monotonic()) > 0:
-            server.settimeout(left)
-            try:
-                conn, _ = server.accept()
-            except TimeoutError:
-                break
-            with conn:
-                conn.settimeout(max(deadline - time.monotonic(), 1.0))
-                with contextlib.suppress(OSError):
-                    served += answer(conn)
-    return served
+        found = LinkServer(server, key)
+        found.serve(connections, time.monotonic() + timeout)
+    return found
 
 
-def measure(address: str, port: int, seconds: float, pings: int, timeout: float) -> dict[str, Any]:
-    """Round trips (median, ms) and a stream's throughput (Gbit/s) to a serving peer."""
+def measure(
+    address: str, port: int, key: bytes, *, seconds: float, pings: int, timeout: float
+) -> dict[str, Any]:
+    """Round trips (median, ms) and the throughput (Gbit/s) of a stream from a serving peer,
+    both timed here and from bytes received here; the peer must prove it holds the key."""
     with socket.create_connection((address, port), timeout=timeout) as conn:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
+        reader = Reader(conn, time.monotonic() + timeout)
+        theirs = expect(reader, GREETING, "a link server's greeting", server=True)[1]
+        nonce = secrets.token_hex(16).encode()
+        conn.sendall(b"hello %s %s\n" % (nonce, proof(key, b"client", theirs, nonce)))
+        mac = expect(reader, WELCOME, "a welcome", server=True)[1]
+        if not hmac.compare_digest(mac, proof(key, b"server", nonce, theirs)):
+            raise Refused("its welcome does not prove this check's key")
         conn.sendall(b"ping %d\n" % pings)
         trips = []
         for _ in range(pings):
+            sent = secrets.token_bytes(1)
             start = time.perf_counter()
-            conn.sendall(b"p")
-            if not conn.recv(1):
-                raise OSError(f"{address}:{port} closed the connection during the round trips")
+            conn.sendall(sent)
+            if reader.byte() != sent:
+                raise Refused("it echoed another byte")
             trips.append(time.perf_counter() - start)
-        conn.sendall(b"stream\n")
-        payload = bytes(CHUNK)
-        start = time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            conn.sendall(payload)
-        conn.shutdown(socket.SHUT_WR)
-        reply = _line(conn)
+        if reader.buffer:
+            raise Refused("it sent bytes nobody asked for")
+        conn.sendall(b"stream %.3f\n" % seconds)
+        received, start = 0, time.perf_counter()
+        conn.settimeout(timeout)
+        while chunk := conn.recv(CHUNK):
+            if chunk.count(0) != len(chunk):  # the stream is zeros: anything else is no stream
+                said = chunk.split(b"\n")[0][:LINE_MAX].decode("ascii", "replace")
+                refused = received == 0 and chunk.startswith(b"error ")
+                raise Refused(f"it refused: {said[6:]}" if refused else "it sent no stream")
+            received += len(chunk)
+            if time.perf_counter() - start > seconds + timeout:
+                raise Refused(f"it streamed past {seconds + timeout:g} s")
         elapsed = time.perf_counter() - start
-    received = int(reply.strip() or 0)
     if received <= 0:
-        raise OSError(f"{address}:{port} acknowledged no bytes of the stream")
+        raise Refused("it sent no bytes of the stream")
     return {
         "tcp_gbps": round(received * 8 / elapsed / 1e9, 4),
         "rtt_ms": round(statistics.median(trips) * 1e3, 3),
@@ -263,21 +414,42 @@ def main() -> None:
             "address": {"type": "str"},
             "seconds": {"type": "float", "default": 1.0},
             "pings": {"type": "int", "default": 20},
+            "key": {"type": "str", "no_log": True},
         },
-        required_if=[("mode", "measure", ["address"])],
+        required_if=[("mode", "serve", ["key"]), ("mode", "measure", ["address", "key"])],
         supports_check_mode=True,
     )
     p = module.params
     if p["mode"] == "interfaces":
         module.exit_json(changed=False, interfaces=interfaces())
+    if p["mode"] == "measure" and not (
+        0.001 <= p["seconds"] <= MAX_STREAM_S and 1 <= p["pings"] <= MAX_PINGS
+    ):
+        module.fail_json(
+            msg=f"llama_links: seconds must be 0.001 to {MAX_STREAM_S:g} (got "
+            f"{p['seconds']:g}), pings 1 to {MAX_PINGS} (got {p['pings']})"
+        )
+    if len(p["key"]) < 16:
+        module.fail_json(msg="llama_links: the key must hold at least 16 characters")
     if module.check_mode:
         module.exit_json(changed=False, skipped=True, msg="no measurement in check mode")
+    key = p["key"].encode()
     try:
         if p["mode"] == "serve":
-            module.exit_json(changed=False, served=serve(p["port"], p["connections"], p["timeout"]))
-        found = measure(p["address"], p["port"], p["seconds"], p["pings"], p["timeout"])
+            server = serve(p["port"], p["connections"], p["timeout"], key)
+            module.exit_json(changed=False, served=server.served, refused=dict(server.refused))
+        found = measure(
+            p["address"],
+            p["port"],
+            key,
+            seconds=p["seconds"],
+            pings=p["pings"],
+            timeout=p["timeout"],
+        )
     except OSError as err:
         module.fail_json(msg=f"llama_links: {p['mode']} on port {p['port']}: {err}")
+    except Refused as err:
+        module.fail_json(msg=f"llama_links: the link server on {p['address']}:{p['port']}: {err}")
     module.exit_json(changed=False, **found)
 
 

@@ -9,6 +9,10 @@ and runs ufw only for what differs, in the order that never locks anyone out: th
 first (SSH on every port sshd listens on), then the deletions of the caller's own stale rules,
 then logging and the default policies, then `ufw --force enable`. Before it changes anything it
 can keep a copy of ufw's state, which `state: rolled_back` puts back.
+
+Two things it never does to a server in use: turn on a ufw it finds off (unless asked,
+`if_inactive: enable`), and add a rule the node already has under another comment (ufw would
+relabel the operator's rule as the project's, and a later run could delete it).
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ description:
     deletion of stale rules the caller owns (by comment), then the policies, then enable.
   - SSH is allowed on every TCP port sshd listens on (C(sshd -T), and the listening sockets of
     sshd processes) plus O(ssh_ports), from O(ssh_sources).
-  - Rules whose comment is not in O(purge_comments) are never deleted.
+  - Rules whose comment is not in O(purge_comments) are never deleted, and a rule the node already
+    has under another comment (or none) is never added again (ufw would relabel it).
+  - An inactive ufw stays off and untouched unless O(if_inactive) is enable.
 options:
   rules:
     description:
@@ -64,6 +70,20 @@ options:
     type: list
     elements: str
     default: []
+  absent:
+    description:
+      - Rules to delete where the node has them with exactly this port, proto, source and
+        comment (the shape of O(rules)); a rule with another comment is never deleted.
+    type: list
+    elements: dict
+    default: []
+  if_inactive:
+    description:
+      - What to do when ufw is off and O(state) is enabled. leave (default) changes nothing at
+        all; enable adds the rules, sets the policies and turns ufw on.
+    type: str
+    default: leave
+    choices: [leave, enable]
   logging:
     description: ufw's logging level (off, low, medium, high, full); empty leaves it.
     type: str
@@ -125,6 +145,22 @@ saved:
   description: Whether ufw's previous state was saved in rollback_dir.
   type: bool
   returned: always
+left_inactive:
+  description: ufw was off and was left off, untouched (if_inactive leave).
+  type: bool
+  returned: always
+kept:
+  description: The node's own rules (another comment, or none) that already let through what a
+    rule asked for, left as they are under their own comment.
+  type: list
+  returned: always
+unruled:
+  description:
+    - When this call turns ufw on, the TCP ports processes listen on (other than on loopback)
+      that no rule names, each with the processes' names; after it, only the sources allowed on
+      every port reach them.
+  type: list
+  returned: always
 """
 
 UFW_CONF = Path("/etc/ufw/ufw.conf")
@@ -138,22 +174,27 @@ STATE_FILES = (
 )
 
 
-def sshd_listening_inodes() -> set[str]:
-    """The socket inodes that sshd processes hold open."""
-    inodes: set[str] = set()
+TCP_TABLES = (Path("/proc/net/tcp"), Path("/proc/net/tcp6"))
+
+
+def socket_owners(only: set[str] | None = None) -> dict[str, set[str]]:
+    """The socket inodes processes (those named in only, else all) hold open: inode -> the
+    names (comm) of those processes."""
+    owners: dict[str, set[str]] = {}
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
-            if (proc / "comm").read_text().strip() not in {"sshd", "sshd-session"}:
+            name = (proc / "comm").read_text().strip()
+            if only is not None and name not in only:
                 continue
             for fd in (proc / "fd").iterdir():
                 target = os.readlink(fd)
                 if target.startswith("socket:["):
-                    inodes.add(target[8:-1])
+                    owners.setdefault(target[8:-1], set()).add(name)
         except OSError:
             continue
-    return inodes
+    return owners
 
 
 def detect_ssh_ports(module: AnsibleModule) -> list[int]:
@@ -164,11 +205,28 @@ def detect_ssh_ports(module: AnsibleModule) -> list[int]:
         rc, out, _ = module.run_command([sshd, "-T"], environ_update={"LC_ALL": "C"})
         if rc == 0:
             ports.update(ufwtext.sshd_ports(out))
-    inodes = sshd_listening_inodes()
-    for table in (Path("/proc/net/tcp"), Path("/proc/net/tcp6")):
+    inodes = set(socket_owners({"sshd", "sshd-session"}))
+    for table in TCP_TABLES:
         if inodes and table.exists():
             ports.update(ufwtext.listening_ports(table.read_text(), inodes))
     return sorted(ports)
+
+
+def unruled(rules: list[ufwtext.Rule]) -> list[dict[str, Any]]:
+    """The node's listening TCP ports that no rule names, with the processes behind them."""
+    owners = socket_owners()
+    listening: dict[int, set[str]] = {}
+    for table in TCP_TABLES:
+        if table.exists():
+            for port, inodes in ufwtext.listening_sockets(table.read_text()).items():
+                listening.setdefault(port, set()).update(inodes)
+    return [
+        {
+            "port": port,
+            "processes": sorted({n for inode in listening[port] for n in owners.get(inode, ())}),
+        }
+        for port in ufwtext.unruled_ports(listening, rules)
+    ]
 
 
 def save_state(directory: Path, active: bool) -> None:
@@ -190,6 +248,8 @@ def main() -> None:
             "ssh_comment": {"type": "str", "default": "llama-cluster ssh"},
             "ssh_required": {"type": "bool", "default": False},
             "purge_comments": {"type": "list", "elements": "str", "default": []},
+            "absent": {"type": "list", "elements": "dict", "default": []},
+            "if_inactive": {"type": "str", "default": "leave", "choices": ["leave", "enable"]},
             "logging": {"type": "str", "default": ""},
             "default_incoming": {"type": "str", "default": ""},
             "default_outgoing": {"type": "str", "default": ""},
@@ -214,6 +274,17 @@ def main() -> None:
     active = ufwtext.parse_status(run("status", "verbose")).active
     if params["state"] == "rolled_back":
         roll_back(module, run, Path(params["rollback_dir"]), active)
+    if ufwtext.leaves_inactive(params, active=active):
+        module.exit_json(
+            changed=False,
+            commands=[],
+            ssh_ports=[],
+            was_active=False,
+            saved=False,
+            left_inactive=True,
+            kept=[],
+            unruled=[],
+        )
 
     ssh_ports: list[int] = []
     if params["ssh_sources"]:
@@ -229,18 +300,24 @@ def main() -> None:
         for port in ssh_ports
     ]
     rules = ufwtext.expand(ssh_rules + params["rules"])
-    problem = ufwtext.check_rules(rules)
+    absent = ufwtext.expand(params["absent"])
+    problem = ufwtext.check_rules(rules + absent)
     if problem:
         module.fail_json(msg=f"llama_ufw: {problem}")
-    params["rules"] = rules
+    params["rules"], params["absent"] = rules, absent
+    added = run("show", "added")
     plan = ufwtext.plan(
         params,
         active=active,
-        added=run("show", "added"),
+        added=added,
         conf=UFW_CONF.read_text() if UFW_CONF.exists() else "",
         defaults=UFW_DEFAULTS.read_text() if UFW_DEFAULTS.exists() else "",
     )
     commands = plan.commands()
+    # ufw is about to be turned on: what listens and no rule names goes dark but for the nodes.
+    exposed: list[dict[str, Any]] = []
+    if ["--force", "enable"] in commands:
+        exposed = unruled(ufwtext.parse_added(added) + plan.add)
     saved = False
     if commands and not module.check_mode and params["rollback_dir"]:
         save_state(Path(params["rollback_dir"]), active)
@@ -260,6 +337,9 @@ def main() -> None:
         ssh_ports=ssh_ports,
         was_active=active,
         saved=saved,
+        left_inactive=False,
+        kept=[ufwtext.added_line(rule) for rule in plan.kept],
+        unruled=exposed,
     )
 
 
@@ -284,6 +364,9 @@ def roll_back(
         ssh_ports=[],
         was_active=active,
         saved=False,
+        left_inactive=False,
+        kept=[],
+        unruled=[],
     )
 
 

@@ -12,6 +12,13 @@ worker knows the master by its answer to W. The master reads every connection in
 (a selector): a line is at most protocol.MAX_LINE bytes, a connection that has not said hello
 within protocol.HELLO_WITHIN seconds is closed, and at most max(4, 2 x peers) connections wait
 for their hello at once (the oldest one goes when another comes).
+
+Whatever a connection sends ends that connection at worst, never the reader: protocol.unseal
+checks a line's length, shape and mac on its raw bytes before any JSON is parsed and raises
+nothing but BadMessage; anything else one connection's handling raises drops that connection
+and is counted with what was refused (the master's log says it every master.REFUSALS_EVERY seconds).
+The worker's reader (read_uplink) and handshake (connect) hold to the same rule against a
+watchdog that is not its master.
 """
 
 from __future__ import annotations
@@ -152,18 +159,34 @@ class Hub:
                     if not self._accept():
                         return
                 else:
-                    self._read(key.data)
+                    self._guarded(key.data)
             self._expire()
+
+    def _guarded(self, link: Link) -> None:
+        """Read one connection; an error of its own ends it, never the reader."""
+        try:
+            self._read(link)
+        except Exception as err:  # one connection's failure is only its own
+            self._refuse(link, f"an error reading it ({type(err).__name__})")
 
     def _accept(self) -> bool:
         try:
             sock, _ = self.server.accept()
         except BlockingIOError:
             return True
+        except OSError as err:
+            if self.server.fileno() < 0:
+                return False  # the server socket is closed: the runner has ended
+            with self.lock:  # out of descriptors (a flood), or a connection reset at once
+                self.refused[f"a connection not accepted ({err.strerror})"] += 1
+            time.sleep(0.05)
+            return True
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            link = Link(sock, self.key, self.job)
         except OSError:
-            return False  # the server socket is closed: the runner has ended
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        link = Link(sock, self.key, self.job)
+            sock.close()  # reset before it could be set up
+            return True
         if len(self.waiting) >= self.waiting_cap:
             self._refuse(next(iter(self.waiting)), "too many connections waiting for hello")
         self.waiting[link] = None
@@ -271,7 +294,20 @@ def _expect(link: Link, kind: Kind, nonce: str | None) -> dict[str, Any]:
 
 def read_uplink(link: Link, events: queue.Queue) -> None:
     """A worker's reader of its connection to the master: verified messages onto `events`,
-    then ("eof", link, None). A message that does not verify is dropped and counted."""
+    then ("eof", link, None), however the connection ends. A message that does not verify is
+    dropped and counted."""
+    try:
+        _read_lines(link, events)
+    except Exception as err:  # the connection ends; the worker connects again
+        link.dropped[f"an error reading it ({type(err).__name__})"] += 1
+    finally:
+        link.close()
+        with contextlib.suppress(OSError):
+            link.sock.close()
+        events.put(("eof", link, None))
+
+
+def _read_lines(link: Link, events: queue.Queue) -> None:
     pending = list(link.backlog)
     link.backlog.clear()
     while not link.closed:
@@ -289,12 +325,8 @@ def read_uplink(link: Link, events: queue.Queue) -> None:
             data = b""
         found = link.lines(data) if data else None
         if found is None:
-            break
+            return
         pending = found
-    link.close()
-    with contextlib.suppress(OSError):
-        link.sock.close()
-    events.put(("eof", link, None))
 
 
 def _check(body: dict[str, Any], kind: Kind, nonce: str | None) -> dict[str, Any]:

@@ -106,6 +106,9 @@ class WorkerAgent(NodeAgent):
         elif kind == "unreached":
             self.note_unauthenticated(str((data or {}).get("why", "")))
         elif kind == "eof":
+            if link is not None and link.dropped:
+                said = ", ".join(f"{n} x {why}" for why, n in link.dropped.most_common(6))
+                self.say(f"dropped {link.dropped.total()} lines of the master's connection: {said}")
             if link is self.uplink:
                 self.uplink = None
                 if self.master_seen is not None:
