@@ -5,7 +5,7 @@ Each test drives `ansible-playbook` against molecule's inventory, exactly as a u
 inspects the nodes with `docker exec` and the controller's runs/ directory. The faults are real:
 a training process killed, a container killed or frozen, the controller's play killed. Each fault
 test measures the time from the fault to the moment no training process is left on any node that
-is still up, and asserts it against the bound the cluster promises (README, roles/job/README.md).
+is still up, and asserts it against the bound the cluster promises (docs/faults.md).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ RANK_DIES_BOUND = (
 POWER_LOSS_SLACK_S = 15
 
 # Every fault test's measurement, with its bound and how the bound is derived, lands in one
-# file (each run rewrites the rows it measured; not in git): README's fault table was read there.
+# file (each run rewrites the rows it measured; not in git): docs/faults.md's table was read there.
 RESULTS = ROOT / ".cache" / "fault_timings.json"
 
 _state: dict[str, str] = {}
