@@ -16,6 +16,7 @@ from ansible_collections.llama.cluster.plugins.filter import job as job_filters
 from ansible_collections.llama.cluster.plugins.filter.job import (
     job_failure_message,
     job_found_files,
+    job_resume,
     job_run_summary,
     job_status_lines,
     job_trainer_log,
@@ -24,6 +25,9 @@ from ansible_collections.llama.cluster.plugins.filter.job import (
     job_status_of as job_status,
 )
 from ansible_collections.llama.cluster.plugins.module_utils.llama_job import protocol
+from ansible_collections.llama.cluster.plugins.module_utils.llama_job.checkpoints import (
+    continue_plan,
+)
 from ansible_collections.llama.cluster.plugins.module_utils.trainer_log import (
     last_attempt,
     log_figures,
@@ -274,6 +278,29 @@ def test_a_node_that_did_not_answer_leaves_the_checkpoint_unknown():
     assert resume["checkpoint"] is None
     assert resume["message"].startswith("node2 did not answer, so the checkpoint")
     assert resume["message"].endswith("-e resume=true -e run_id=r")
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_the_controllers_resume_check_and_llama_job_pick_the_same_checkpoint(sharded: bool):
+    # resume.yml refuses early with the filter job_resume; the master's agent applies
+    # continue_plan as the job starts: one rule, so one answer, one message.
+    for found in (
+        {
+            "node1": _checkpoints(10, 20),
+            "node2": _checkpoints(10) + _checkpoints(20, complete=False),
+        },
+        {"node1": _checkpoints(20), "node2": _checkpoints(10)},
+        {"node1": [], "node2": []},
+    ):
+        early = job_resume(found, "r", "/runs/r", sharded)
+        plan = continue_plan(
+            found, "r", f"{OUT}", "resume-20261201-100000", sharded=sharded, from_scratch=False
+        )
+        assert early["checkpoint"] == plan["checkpoint"]
+        if plan["ok"]:
+            assert early["command"] == "ansible-playbook train.yml -e resume=true -e run_id=r"
+        else:
+            assert early["message"] == plan["message"]
 
 
 def test_a_run_still_going_has_no_summary():
