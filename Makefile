@@ -47,12 +47,18 @@ PLUGINS := collections/ansible_collections/llama/cluster/plugins
 NODE_PYTHON = $(shell find $(PLUGINS)/modules $(PLUGINS)/module_utils roles/*/files -type f -name '*.py'; \
   find roles/*/files -type f ! -name '*.py' -exec grep -l -m1 -e '^.!.*python' {} +)
 
-lint: setup           ## ansible-lint (production), yamllint, ruff, vermin (node-side Python 3.10)
+# The maps that must not drift from the code (the collection's room list, the README's pointers,
+# the import rules: tests/test_maps.py) and every plugin rendered by ansible-doc
+# (tests/test_plugin_docs.py): seconds, no node, no container.
+LINT_TESTS := tests/test_maps.py tests/test_plugin_docs.py
+
+lint: setup           ## ansible-lint (production), yamllint, ruff, vermin (node-side Python 3.10), maps and ansible-doc
 	$(VENV)/yamllint --strict .
 	$(VENV)/ansible-lint
 	$(VENV)/ruff check .
 	$(VENV)/ruff format --check .
 	$(VENV)/vermin --target=3.10- --violations --no-tips --no-parse-comments $(sort $(NODE_PYTHON))
+	$(VENV)/pytest -q -p no:cacheprovider $(LINT_TESTS)
 
 test-fast: test-env   ## lint + pytest without molecule scenarios
 	$(MAKE) lint

@@ -20,10 +20,27 @@ the command line rejected it), 3 a host was unreachable, 130 interrupted (Ctrl-C
 
 import sys
 
-from llama_runner import *  # noqa: F403 - this module is the package's public face
-from llama_runner import __all__  # noqa: F401 - star-imports of train_runner re-export the same
+try:
+    from llama_runner import *  # noqa: F403 - this module is the package's public face
+    from llama_runner import __all__  # noqa: F401 - star-imports of train_runner re-export the same
+except ImportError as error:  # outside a checkout (llama_runner.checkout.NotACheckout)
+    if error.name != "llama_runner":
+        raise
+    OUTSIDE: ImportError | None = error
+else:
+    OUTSIDE = None
+
+
+def main() -> int:
+    """The command line (llama_runner.cli, the `llama-cluster` command); outside a checkout,
+    one line that says where to run it (exit status 2)."""
+    if OUTSIDE is not None:
+        sys.stderr.write(f"llama-cluster: {OUTSIDE}\n")
+        return 2
+    from llama_runner.cli import main as cli  # noqa: PLC0415 - the CLI's own imports (rich)
+
+    return cli()
+
 
 if __name__ == "__main__":
-    from llama_runner.cli import main
-
     sys.exit(main())

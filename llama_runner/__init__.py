@@ -1,7 +1,22 @@
 """llama-cluster's playbooks from Python, through ansible-runner: the API (Cluster), its results
-and errors. The command line is llama_runner.cli (train_runner.py at the repository root)."""
+and errors. The command line is llama_runner.cli (train_runner.py at the repository root).
 
-from llama_runner.api import (
+A run's status is llama-job's own type, from the project's collection (JobStatus, Phase,
+FailureKind: plugins/module_utils/llama_job/protocol.py); checkout.open_checkout makes the
+collection importable first."""
+
+from llama_runner.checkout import open_checkout
+
+open_checkout()
+
+# After the checkout is open: the collection's modules import by their real names.
+from ansible_collections.llama.cluster.plugins.module_utils.llama_job.protocol import (  # noqa: E402
+    FailureKind,
+    JobStatus,
+    Phase,
+)
+
+from llama_runner.api import (  # noqa: E402
     DEFAULT_INVENTORY,
     DEFAULT_KEEP_ARTIFACTS,
     DEFAULT_PRIVATE_DATA_DIR,
@@ -9,7 +24,7 @@ from llama_runner.api import (
     PROJECT_DIR,
     Cluster,
 )
-from llama_runner.errors import (
+from llama_runner.errors import (  # noqa: E402
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_INVALID_INPUT,
@@ -21,16 +36,15 @@ from llama_runner.errors import (
     RunInterrupted,
     RunnerError,
 )
-from llama_runner.events import EventCallback, ProgressCallback
-from llama_runner.results import (
+from llama_runner.events import EventCallback, ProgressCallback  # noqa: E402
+from llama_runner.results import (  # noqa: E402
     Event,
     HostStats,
     RunResult,
-    RunStatus,
     TrainProgress,
     TrainSummary,
 )
-from llama_runner.scaling import Scaling
+from llama_runner.scaling import Scaling  # noqa: E402
 
 __all__ = [
     "DEFAULT_INVENTORY",
@@ -43,29 +57,21 @@ __all__ = [
     "EXIT_UNREACHABLE",
     "PLAYBOOKS",
     "PROJECT_DIR",
-    "RUN_STATES",
     "Cluster",
     "Event",
     "EventCallback",
+    "FailureKind",
     "HostStats",
     "HostUnreachable",
     "InvalidInput",
+    "JobStatus",
+    "Phase",
     "PlaybookFailed",
     "ProgressCallback",
     "RunInterrupted",
     "RunResult",
-    "RunStatus",
     "RunnerError",
     "Scaling",
     "TrainProgress",
     "TrainSummary",
 ]
-
-
-def __getattr__(name: str) -> object:
-    """RUN_STATES: the states of a run (the protocol's, loaded from the checkout on first use)."""
-    if name == "RUN_STATES":
-        from llama_runner import results  # noqa: PLC0415 - a lazy attribute
-
-        return results.RUN_STATES
-    raise AttributeError(name)

@@ -17,9 +17,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from ansible_collections.llama.cluster.plugins.module_utils.llama_job.protocol import (
+    JobStatus,
+    Phase,
+)
 from ansible_runner.interface import init_runner
 
-from llama_runner.collection import find_project_dir
+from llama_runner.checkout import find_project_dir
 from llama_runner.errors import InvalidInput, PlaybookFailed, RunInterrupted, RunnerError
 from llama_runner.events import (
     Canceller,
@@ -33,13 +37,11 @@ from llama_runner.results import (
     Event,
     HostStats,
     RunResult,
-    RunStatus,
     TrainProgress,
     TrainSummary,
 )
 from llama_runner.scaling import DEFAULT_STEPS, MEASURE_ARGS, Point, Scaling, master_only, pinned
 from llama_runner.secrets import SecretsFile, run_secrets
-from llama_runner.status import parse_status
 
 PROJECT_DIR = find_project_dir()
 DEFAULT_INVENTORY = PROJECT_DIR / "inventory" / "lab.yml"
@@ -54,6 +56,9 @@ PROGRESS_CALLBACK_FILE = (
 SHIELD_INTERRUPTS = 3
 # Seconds between two looks at a run that attach() follows (the job watcher's report_every).
 ATTACH_POLL_S = 15.0
+
+# The set_stats key under which status.yml publishes the run's JobStatus (its to_dict).
+STATUS_STAT = "llama_status"
 
 PLAYBOOKS: dict[str, str] = {
     "lab": "playbooks/lab.yml",
@@ -277,10 +282,11 @@ class Cluster:
     def status(
         self, run_id: str | None = None, *, on_event: EventCallback | None = None
     ) -> RunResult:
-        """Where a run (default: the latest) stands on every node (playbooks/status.yml): `runs`
-        holds a RunStatus per run it reported."""
+        """Where a run (default: the latest) stands on every node (playbooks/status.yml): `job`
+        is its JobStatus, as the protocol defines it (None when status.yml published none)."""
         result = self.run_playbook(PLAYBOOKS["status"], _with_run_id(run_id), on_event=on_event)
-        result.runs = parse_status(result.data, result.events)
+        published = result.data.get(STATUS_STAT)
+        result.job = JobStatus.from_dict(published) if isinstance(published, Mapping) else None
         return result
 
     def attach(
@@ -302,12 +308,12 @@ class Cluster:
         progress: TrainProgress | None = None
         try:
             while True:
-                run = self._run_status(run_id, on_event)
-                run_id = run.run_id
-                progress = run.progress()
+                job = self._job_status(run_id, on_event)
+                run_id = job.job
+                progress = TrainProgress.of_job(job)
                 if on_progress:
                     on_progress(progress)
-                if not run.active:
+                if not job.phase.in_progress():
                     break
                 self._pause(poll_s)
         except RunInterrupted as interrupted:
@@ -320,10 +326,10 @@ class Cluster:
         if result.summary is None and result.controller_dir:
             result.summary = TrainSummary.from_controller_dir(run_id, result.controller_dir)
         result.progress = progress
-        result.runs = (run,)
-        if run.state == "failed":
-            node = run.failed_node
-            exit_status = f", exit status {run.exit_status}" if run.exit_status is not None else ""
+        result.job = job
+        if job.phase is Phase.FAILED:
+            node = job.node
+            exit_status = f", exit status {job.exit_status}" if job.exit_status is not None else ""
             raise PlaybookFailed(
                 f"run {run_id} failed on {node or 'a node'}{exit_status}; logs: "
                 f"{result.controller_dir}",
@@ -555,14 +561,13 @@ class Cluster:
             except KeyboardInterrupt:
                 self.cancel()
 
-    def _run_status(self, run_id: str | None, on_event: EventCallback | None) -> RunStatus:
+    def _job_status(self, run_id: str | None, on_event: EventCallback | None) -> JobStatus:
         """Where `run_id` (default: the latest run) stands; RunnerError when status.yml says
         nothing about it."""
-        runs = self.status(run_id, on_event=on_event).runs
-        run = next((r for r in runs if r.run_id == run_id), runs[0] if runs else None)
-        if run is None:
+        job = self.status(run_id, on_event=on_event).job
+        if job is None:
             raise RunnerError(f"status.yml reported no run {run_id or ''}".strip())
-        return run
+        return job
 
     def _stop_after_interrupt(self, interrupted: RunInterrupted) -> RunInterrupted:
         run_id, result = interrupted.run_id, interrupted.result

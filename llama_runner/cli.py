@@ -18,6 +18,10 @@ from types import FrameType
 from typing import Any
 
 import yaml
+from ansible_collections.llama.cluster.plugins.module_utils.llama_job.protocol import (
+    JobStatus,
+    Phase,
+)
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.logging import RichHandler
@@ -37,7 +41,7 @@ from llama_runner.errors import (
     exit_code,
 )
 from llama_runner.events import failure_message
-from llama_runner.results import Event, RunResult, RunStatus, TrainProgress, TrainSummary
+from llama_runner.results import Event, RunResult, TrainProgress, TrainSummary
 from llama_runner.scaling import DEFAULT_STEPS, Scaling
 from llama_runner.secrets import holds_secret
 
@@ -239,30 +243,33 @@ def _report_scaling(console: Console, scaling: Scaling, *, as_json: bool) -> Non
         print(json.dumps(document, default=_json_default, indent=2))
 
 
-def _status_panel(run: RunStatus) -> Panel:
-    nodes = Counter(run.nodes.values())
+def _status_panel(job: JobStatus) -> Panel:
+    progress, summary = job.progress, job.summary
+    nodes = Counter(node.phase.value for node in job.nodes.values())
+    loss = progress.get("loss", summary.final_loss if summary else None)
     lines = [
-        f"state        {run.state}",
-        f"step         {run.step if run.step is not None else '-'}/{run.total_steps or '?'}",
-        f"loss         {run.loss if run.loss is not None else '-'}",
-        f"ETA          {_duration(run.eta_s)}",
-        f"nodes        {', '.join(f'{n} {state}' for state, n in nodes.items()) or '-'}",
+        f"phase        {job.phase.value}",
+        f"step         {job.step if job.step is not None else '-'}/{job.total_steps or '?'}",
+        f"loss         {loss if loss is not None else '-'}",
+        f"ETA          {progress.get('remaining_time') or '-'}",
+        f"nodes        {', '.join(f'{n} {phase}' for phase, n in nodes.items()) or '-'}",
     ]
-    if run.failed_node:
-        status = f" (exit status {run.exit_status})" if run.exit_status is not None else ""
-        lines.append(f"failed node  {run.failed_node}{status}")
-    if not run.active:
-        after = f" ({', then '.join(run.restarted_after)} failed)" if run.restarted_after else ""
+    if job.node and job.phase is not Phase.SUCCEEDED:
+        status = f" (exit status {job.exit_status})" if job.exit_status is not None else ""
+        lines.append(f"failed node  {job.node}{status}")
+    if summary is not None:
+        after = f" ({', then '.join(summary.restarted_after)} failed)" if summary.restarts else ""
         lines += [
-            f"final loss   {run.final_loss if run.final_loss is not None else '-'}",
-            f"time         {_duration(run.time_s)}",
-            f"restarts     {run.restarts or 0} of {run.max_restarts or 0}{after}",
+            f"final loss   {summary.final_loss if summary.final_loss is not None else '-'}",
+            f"time         {_duration(summary.time_s)}",
+            f"restarts     {summary.restarts} of {summary.max_restarts}{after}",
         ]
-    if run.resume_checkpoint:
-        lines.append(f"resume from  {run.resume_checkpoint}: {run.resume_command}")
-    elif run.resume_message:
-        lines.append(f"no resume    {run.resume_message}")
-    return Panel("\n".join(lines), title=f"run {run.run_id}", expand=False)
+    resume = summary.resume if summary else None
+    if resume is not None and resume.checkpoint:
+        lines.append(f"resume from  {resume.checkpoint}: {resume.command}")
+    elif resume is not None:
+        lines.append(f"no resume    {resume.message}")
+    return Panel("\n".join(lines), title=f"run {job.job}", expand=False)
 
 
 def _json_default(value: object) -> object:
@@ -305,8 +312,8 @@ def _report_error(console: Console, exc: RunnerError) -> int:
 
 def _report_result(console: Console, result: RunResult, *, as_json: bool) -> None:
     console.print(_recap(result))
-    for run in result.runs:
-        console.print(_status_panel(run))
+    if result.job is not None:
+        console.print(_status_panel(result.job))
     if result.summary:
         console.print(_summary_panel(result.summary))
     elif result.run_id:

@@ -9,6 +9,11 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from ansible_collections.llama.cluster.plugins.module_utils.llama_job.protocol import (
+    Phase,
+    RankStatus,
+)
+
 from llama_runner.errors import HostUnreachable, InvalidInput, PlaybookFailed
 from llama_runner.results import Event, HostStats, TrainProgress
 
@@ -163,14 +168,18 @@ def error_from_events(events: Iterable[Event], hosts: Mapping[str, HostStats]) -
 
 
 def _job_failed_hosts(events: Iterable[Event], before: int) -> tuple[str, ...]:
-    """The nodes the job watcher last reported failed, in the order their ranks failed."""
+    """The node the job watcher last reported failed: the failure of the leading rank of a
+    `llama_job` status or wait result (the protocol's RankStatus, unchanged)."""
     culprits: tuple[str, ...] = ()
     for event in events:
         if event.get("counter", 0) >= before:
             break
         res = event.get("event_data", {}).get("res")
-        if isinstance(res, Mapping) and res.get("failed_hosts"):
-            culprits = tuple(str(h) for h in res["failed_hosts"])
+        lead = res.get("lead") if isinstance(res, Mapping) else None
+        if isinstance(lead, Mapping):
+            rank = RankStatus.from_dict(lead)
+            if rank.phase is Phase.FAILED and rank.reason is not None and rank.reason.node:
+                culprits = (rank.reason.node,)
     return culprits
 
 

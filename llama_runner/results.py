@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from llama_runner.collection import protocol, trainer_log
+from ansible_collections.llama.cluster.plugins.module_utils import trainer_log
+from ansible_collections.llama.cluster.plugins.module_utils.llama_job.protocol import JobStatus
 
 Event = dict[str, Any]
 
@@ -111,32 +112,40 @@ class TrainProgress:
     tokens_per_s: float | None = None
 
     @classmethod
-    def from_result(cls, host: str, res: Mapping[str, Any]) -> TrainProgress | None:
-        """The progress in a task result, or None when the result carries none.
-
-        Reads the contract's names (step, elapsed_s, ...) and LLaMA-Factory's own trainer log
-        names (current_steps, elapsed_time "H:MM:SS", throughput, ...).
-        """
-        data = res.get("progress_data")
-        if not isinstance(data, Mapping) and not res.get("progress"):
-            return None
-        data = data if isinstance(data, Mapping) else {}
-
-        def first(*keys: str) -> Any:  # noqa: ANN401 - a JSON value
-            return next((data[k] for k in keys if data.get(k) is not None), None)
-
+    def from_record(cls, host: str, text: str, record: Mapping[str, Any]) -> TrainProgress:
+        """The progress in one record of rank 0's trainer log (LLaMA-Factory's names:
+        current_steps, elapsed_time "H:MM:SS", throughput, ...)."""
         return cls(
             host=host,
-            text=str(res.get("progress") or ""),
-            step=as_number(first("step", "current_steps"), int),
-            total_steps=as_number(first("total_steps"), int),
-            loss=as_number(first("loss"), float),
-            lr=as_number(first("lr", "learning_rate"), float),
-            epoch=as_number(first("epoch"), float),
-            elapsed_s=as_seconds(first("elapsed_s", "elapsed_time")),
-            remaining_s=as_seconds(first("remaining_s", "remaining_time")),
-            tokens_per_s=as_number(first("tokens_per_s", "throughput"), float),
+            text=text,
+            step=as_number(record.get("current_steps"), int),
+            total_steps=as_number(record.get("total_steps"), int),
+            loss=as_number(record.get("loss"), float),
+            lr=as_number(record.get("lr"), float),
+            epoch=as_number(record.get("epoch"), float),
+            elapsed_s=as_seconds(record.get("elapsed_time")),
+            remaining_s=as_seconds(record.get("remaining_time")),
+            tokens_per_s=as_number(record.get("throughput"), float),
         )
+
+    @classmethod
+    def from_result(cls, host: str, res: Mapping[str, Any]) -> TrainProgress | None:
+        """The progress in a `llama_job` status or wait result (its progress line and its
+        leading rank's last trainer log record), or None when the result carries none."""
+        lead = res.get("lead")
+        if not isinstance(lead, Mapping) or not res.get("progress"):
+            return None
+        record = lead.get("progress")
+        return cls.from_record(
+            host, str(res["progress"]), record if isinstance(record, Mapping) else {}
+        )
+
+    @classmethod
+    def of_job(cls, job: JobStatus, host: str = "") -> TrainProgress:
+        """A job status's progress, in the shape train() reports it."""
+        steps = f"step {job.step}/{job.total_steps or '?'}" if job.step is not None else ""
+        progress = cls.from_record(host, f"{job.phase.value} {steps}".strip(), job.progress)
+        return replace(progress, step=job.step, total_steps=job.total_steps)
 
     @property
     def fraction(self) -> float | None:
@@ -208,8 +217,7 @@ class TrainSummary:
         plot = directory / "training_loss.png"
         text = log_file.read_text(encoding="utf-8") if log_file.is_file() else ""
         # The last attempt's records: after a restart the steps since the checkpoint are twice.
-        log = trainer_log()
-        figures = log.log_figures(log.parse_records(text))
+        figures = trainer_log.log_figures(trainer_log.parse_records(text))
         results = (
             json_object(results_file.read_text(encoding="utf-8")) if results_file.is_file() else {}
         )
@@ -221,62 +229,6 @@ class TrainSummary:
             tokens_per_s=as_number(figures["tokens_per_s"], float),
             controller_dir=directory,
             loss_plot=plot if plot.is_file() else None,
-        )
-
-
-def __getattr__(name: str) -> object:
-    """RUN_STATES (the states of a run, as Cluster.status() reports them; the first three are
-    still going) and ACTIVE_STATES: the protocol's."""
-    if name in ("RUN_STATES", "ACTIVE_STATES"):
-        return getattr(protocol(), name)
-    raise AttributeError(name)
-
-
-@dataclass(frozen=True)
-class RunStatus:
-    """Where one training run stands (Cluster.status()).
-
-    `state` is one of starting, running, restarting (the supervisor is bringing a rank back),
-    succeeded, failed, or stopped (no rank is left and the run did not finish). An ended run
-    also has final_loss (its last attempt's last logged loss), time_s (the job's start to its
-    end), restarts of max_restarts (restarted_after: the node that failed before each), and a
-    failed or stopped one resume_checkpoint and resume_command, or resume_message saying why
-    it cannot be resumed.
-    """
-
-    run_id: str
-    state: str
-    step: int | None = None
-    total_steps: int | None = None
-    loss: float | None = None
-    eta_s: float | None = None
-    failed_node: str | None = None
-    exit_status: int | None = None
-    nodes: dict[str, str] = field(default_factory=dict)  # host: its rank's state
-    final_loss: float | None = None
-    time_s: float | None = None
-    restarts: int | None = None
-    max_restarts: int | None = None
-    restarted_after: tuple[str, ...] = ()
-    resume_checkpoint: str | None = None
-    resume_command: str | None = None
-    resume_message: str | None = None
-
-    @property
-    def active(self) -> bool:
-        """Whether the run is still going (or coming up)."""
-        return self.state in protocol().ACTIVE_STATES
-
-    def progress(self, host: str = "") -> TrainProgress:
-        """The run's progress in the shape train() reports it."""
-        steps = f"step {self.step}/{self.total_steps or '?'}" if self.step is not None else ""
-        return TrainProgress(
-            host=host,
-            text=f"{self.state} {steps}".strip(),
-            step=self.step,
-            total_steps=self.total_steps,
-            loss=self.loss,
-            remaining_s=self.eta_s,
         )
 
 
@@ -295,7 +247,7 @@ class RunResult:
     summary: TrainSummary | None = None
     progress: TrainProgress | None = None  # the last one seen
     controller_dir: Path | None = None  # where the run's logs, plots and exports came back to
-    runs: tuple[RunStatus, ...] = ()  # status(): where each run stands
+    job: JobStatus | None = None  # status(), attach(): where the run's job stands
     events: list[Event] = field(default_factory=list, repr=False)
 
     @property

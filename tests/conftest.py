@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 init_plugin_loader([str(ROOT / "collections"), str(ROOT / ".cache" / "collections")])
 
 # After the finder: llama_runner and the tests load the collection's plugins through it.
-from ansible_collections.llama.cluster.plugins.filter.cluster import cluster_ranks  # noqa: E402
+from ansible_collections.llama.cluster.plugins.module_utils.inventory import cluster_ranks  # noqa: E402
 
 from train_runner import DEFAULT_INVENTORY, Cluster  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Every playbook refuses an inventory that does not add up, in its first play, on the controller,
 before any node is touched; the rules themselves, case by case
-(llama/cluster/plugins/filter/cluster.py).
+(llama/cluster/plugins/module_utils/inventory.py, behind the filters of filter/cluster.py).
 
 The nodes of these inventories do not exist: ansible_host 127.0.0.1 on port 9, where nothing
 listens, so a playbook that got past the check would stop on "UNREACHABLE" instead of the

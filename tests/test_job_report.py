@@ -1,5 +1,6 @@
-"""How a play reports a job from what each node's llama-job said (filter/job.py), and rank 0's
-trainer log after restarts: readers use the last attempt's records (module_utils/trainer_log.py)."""
+"""How a play reports a job from what each node's llama-job said (filter/job.py: the protocol's
+JobStatus, unchanged), and rank 0's trainer log after restarts: readers use the last attempt's
+records (module_utils/trainer_log.py)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,18 @@ from ansible_collections.llama.cluster.plugins.filter import job as job_filters
 from ansible_collections.llama.cluster.plugins.filter.job import (
     job_failure_message,
     job_found_files,
-    job_found_paths,
-    job_outcome,
-    job_resume_advice,
+    job_resume,
     job_run_summary,
     job_status_lines,
     job_trainer_log,
 )
+from ansible_collections.llama.cluster.plugins.filter.job import (
+    job_status_of as job_status,
+)
 from ansible_collections.llama.cluster.plugins.module_utils.llama_job import protocol
+from ansible_collections.llama.cluster.plugins.module_utils.llama_job.checkpoints import (
+    continue_plan,
+)
 from ansible_collections.llama.cluster.plugins.module_utils.trainer_log import (
     last_attempt,
     log_figures,
@@ -34,9 +39,8 @@ from ansible_collections.llama.cluster.plugins.modules import llama_job as job_m
 from ansible_collections.llama.cluster.plugins.modules.llama_job import trainer_log
 
 import llama_runner
-from llama_runner import results, status
-from llama_runner.collection import protocol as runner_protocol
-from tests.test_llama_job import TOOL
+from llama_runner import api, cli, events, results
+from tests.llama_job_support import TOOL
 
 REASON = {
     "node": "node2",
@@ -70,11 +74,16 @@ def test_the_masters_verdict_speaks_for_the_job():
         node1={"ranks": [_rank("node1", "master", "failed", reason=REASON, restarts=[])]},
         node2={"ranks": [_rank("node2", "worker", "failed", reason=REASON)]},
     )
-    outcome = job_outcome(["node1", "node2"], hostvars, "node1", "__job_status")
+    outcome = job_status(["node1", "node2"], hostvars, "node1", "__job_status", "r")
     assert outcome["phase"] == "failed"
-    assert (outcome["node"], outcome["exit_status"]) == ("node2", 1)
+    assert (outcome["reason"]["node"], outcome["reason"]["exit_status"]) == ("node2", 1)
     assert outcome["unreachable"] == []
-    message = job_failure_message(outcome, "r", {"node1": 0, "node2": 1})
+    assert (outcome["resumable"], outcome["succeeded"], outcome["in_progress"]) == (
+        True,
+        False,
+        False,
+    )
+    message = job_failure_message(outcome, {"node1": 0, "node2": 1})
     assert message.startswith("Job r failed on node2 (rank 1): its command ended, exit status 1.")
     assert "Every rank was stopped on node1, node2." in message
     assert "  RuntimeError: Expected a string, got None" in message
@@ -86,57 +95,27 @@ def test_a_dead_master_is_reported_from_the_workers_records():
         "node": "node1",
         "kind": "vanished",
         "exit_status": None,
-        "message": "lost the master node1 (its runner has ended)",
+        "message": "lost the master node1 (its agent has ended)",
         "errors": [],
     }
     hostvars = _hostvars(
         node1={"unreachable": True, "msg": "Failed to connect"},
         node2={"ranks": [_rank("node2", "worker", "failed", reason=vanished)]},
     )
-    outcome = job_outcome(["node1", "node2"], hostvars, "node1", "__job_status")
+    outcome = job_status(["node1", "node2"], hostvars, "node1", "__job_status", "r")
     assert outcome["phase"] == "failed"
-    assert outcome["node"] == "node1"
+    assert outcome["reason"]["node"] == "node1"
     assert outcome["unreachable"] == ["node1"]
-    message = job_failure_message(outcome, "r", {"node1": 0, "node2": 1})
+    message = job_failure_message(outcome, {"node1": 0, "node2": 1})
     assert "failed on node1 (rank 0): lost the master node1" in message
     assert "node1 did not answer." in message
 
 
 def test_a_node_missing_from_the_play_counts_as_unreachable():
     hostvars = {"node1": {"__job_status": {"ranks": [_rank("node1", "master", "running")]}}}
-    outcome = job_outcome(["node1", "node2"], hostvars, "node1", "__job_status")
+    outcome = job_status(["node1", "node2"], hostvars, "node1", "__job_status", "r")
     assert outcome["phase"] == "running"
     assert outcome["unreachable"] == ["node2"]
-
-
-def test_resume_is_advised_only_when_every_node_that_needs_one_has_a_checkpoint():
-    both = {"node1": ["/o/checkpoint-5", "/o/checkpoint-10"], "node2": ["/o/checkpoint-5"]}
-    advice = job_resume_advice(both, ["node1", "node2"], "r")
-    assert "continue from checkpoint-5 (on node1, node2)" in advice
-    assert "-e resume=true -e run_id=r" in advice
-    missing = {"node1": ["/o/checkpoint-5"], "node2": []}
-    assert job_resume_advice(missing, ["node1", "node2"], "r").startswith(
-        "No resume: node2 has no checkpoint"
-    )
-    shared = job_resume_advice(missing, ["node1"], "r")  # shared storage: the master's is enough
-    assert "continue from checkpoint-5" in shared
-    dead = job_resume_advice({"node1": ["/o/checkpoint-5"], "node2": None}, ["node1", "node2"], "r")
-    assert dead.startswith("No resume yet: node2 did not answer")
-    never = job_resume_advice(
-        {"node1": [], "node2": []}, ["node1", "node2"], "r", {"reason": {"kind": "start"}}
-    )
-    assert "Fix what the message says" in never
-
-
-def test_found_paths_say_none_for_a_node_that_did_not_answer():
-    hostvars = {
-        "node1": {"cp": {"files": [{"path": "/o/checkpoint-5"}]}},
-        "node2": {"cp": {"unreachable": True}},
-    }
-    assert job_found_paths(["node1", "node2"], hostvars, "cp") == {
-        "node1": ["/o/checkpoint-5"],
-        "node2": None,
-    }
 
 
 def test_status_lines_say_step_loss_eta_and_restarts():
@@ -163,8 +142,8 @@ def test_status_lines_say_step_loss_eta_and_restarts():
         },
         node2={"ranks": [_rank("node2", "worker", "running")]},
     )
-    outcome = job_outcome(["node1", "node2"], hostvars, "node1", "__job_status")
-    lines = job_status_lines(outcome, "r")
+    outcome = job_status(["node1", "node2"], hostvars, "node1", "__job_status", "r")
+    lines = job_status_lines(outcome)
     assert lines[0] == "Run r: running, step 12/70, loss 1.2346, ETA 0:01:00"
     assert "  node2 rank 1: running" in lines
     assert any(
@@ -217,11 +196,11 @@ def _ended(phase: str, *, reason: dict | None = None, restarts: int = 0, **maste
     }
     worker = {"ranks": [_rank("node2", "worker", phase, reason=reason)]}
     hostvars = _hostvars(node1=status, node2=worker)
-    return job_outcome(["node1", "node2"], hostvars, "node1", "__job_status")
+    return job_status(["node1", "node2"], hostvars, "node1", "__job_status", "r")
 
 
 def _summarised(outcome: dict, checkpoints: dict | None = None) -> dict:
-    return {**outcome, "summary": job_run_summary(outcome, checkpoints, "r", "/runs/r")}
+    return {**outcome, "summary": job_run_summary(outcome, checkpoints, "/runs/r")}
 
 
 def test_the_outcome_carries_the_jobs_times_and_the_masters_trainer_log():
@@ -237,7 +216,6 @@ def test_a_succeeded_run_says_its_steps_final_loss_time_and_restarts():
     outcome = _summarised(_ended("succeeded", restarts=1))
     summary = outcome["summary"]
     assert summary == {
-        "outcome": "succeeded",
         "step": 90,
         "total_steps": 90,
         "final_loss": 1.23456,
@@ -248,7 +226,7 @@ def test_a_succeeded_run_says_its_steps_final_loss_time_and_restarts():
         "restarted_after": ["node2"],
         "resume": None,
     }
-    lines = job_status_lines(outcome, "r")
+    lines = job_status_lines(outcome)
     assert lines[0] == "Run r: succeeded, step 90/90, final loss 1.2346, time 0:12:40"
     assert lines[1] == "  Restarts: 1 of 2 (node2 failed)"
     assert (
@@ -267,7 +245,7 @@ def test_a_failed_run_says_where_it_ended_and_the_checkpoint_to_continue_from():
     resume = outcome["summary"]["resume"]
     assert resume["checkpoint"] == "checkpoint-20"
     assert resume["command"] == "ansible-playbook train.yml -e resume=true -e run_id=r"
-    lines = job_status_lines(outcome, "r")
+    lines = job_status_lines(outcome)
     assert lines[:4] == [
         "Run r: failed on node2: its command ended, killed by signal 9",
         "  Ended at step 29/90, final loss 1.2346, time 0:12:40",
@@ -285,7 +263,7 @@ def test_a_stopped_run_without_a_common_checkpoint_says_why_not():
     summary = outcome["summary"]
     assert (summary["time_s"], summary["time_from"]) == (460.0, "trainer log")
     assert summary["resume"]["checkpoint"] is None
-    lines = job_status_lines(outcome, "r")
+    lines = job_status_lines(outcome)
     assert lines[0] == "Run r: stopped on node1: stop requested"
     assert lines[1] == "  Ended at step 29/90, final loss 1.2346, time 0:07:40"
     assert lines[2] == "  Restarts: none (2 allowed)"
@@ -302,9 +280,33 @@ def test_a_node_that_did_not_answer_leaves_the_checkpoint_unknown():
     assert resume["message"].endswith("-e resume=true -e run_id=r")
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_the_controllers_resume_check_and_llama_job_pick_the_same_checkpoint(sharded: bool):
+    # resume.yml refuses early with the filter job_resume; the master's agent applies
+    # continue_plan as the job starts: one rule, so one answer, one message.
+    for found in (
+        {
+            "node1": _checkpoints(10, 20),
+            "node2": _checkpoints(10) + _checkpoints(20, complete=False),
+        },
+        {"node1": _checkpoints(20), "node2": _checkpoints(10)},
+        {"node1": [], "node2": []},
+    ):
+        early = job_resume(found, "r", "/runs/r", sharded)
+        plan = continue_plan(
+            found, "r", f"{OUT}", "resume-20261201-100000", sharded=sharded, from_scratch=False
+        )
+        assert early["checkpoint"] == plan["checkpoint"]
+        if plan["ok"]:
+            assert early["command"] == "ansible-playbook train.yml -e resume=true -e run_id=r"
+        else:
+            assert early["message"] == plan["message"]
+
+
 def test_a_run_still_going_has_no_summary():
     hostvars = _hostvars(node1={"ranks": [_rank("node1", "master", "running")]})
-    assert job_run_summary(job_outcome(["node1"], hostvars, "node1", "__job_status"), {}, "r") == {}
+    status = job_status(["node1"], hostvars, "node1", "__job_status", "r")
+    assert job_run_summary(status, {}) is None
 
 
 def test_found_files_keep_the_entries_and_none_for_a_silent_node():
@@ -447,30 +449,33 @@ def test_the_status_module_reports_the_last_attempt_of_the_masters_log(tmp_path:
     assert trainer_log(str(tmp_path / "absent.jsonl")) == {}
 
 
-# One definition of a job's phases, status and outcome: every layer that reads a job's state
-# imports llama_job's protocol module, and the zipapp on the nodes carries the same definition.
+# One definition of a job's phases, failure kinds and status: every layer that reads a job's
+# state imports llama_job's protocol module, and the zipapp on the nodes carries the same
+# definition. A status is carried unchanged: what llama-job prints is what the module hands on,
+# what the filters make is what status.yml publishes and what the API reads back.
 
 NODE_PHASES = (
     "import json, sys\n"
     "sys.path.insert(0, sys.argv[1])\n"
     "from llama_cluster.llama_job import protocol as p\n"
-    "print(json.dumps({'phases': [x.value for x in p.Phase], 'terminal': list(p.TERMINAL),"
-    " 'states': list(p.RUN_STATES), 'file': p.__file__}))\n"
+    "print(json.dumps({'phases': [x.value for x in p.Phase],"
+    " 'kinds': [x.value for x in p.FailureKind], 'file': p.__file__}))\n"
 )
 
 
 def test_every_controller_layer_imports_the_one_protocol_module():
-    assert runner_protocol() is protocol  # llama_runner
-    assert llama_runner.RUN_STATES is protocol.RUN_STATES
-    assert job_filters.protocol is protocol  # the filters (job_outcome, job_run_summary, ...)
-    assert job_module.leading is protocol.leading  # the llama_job module
-    assert job_module.progress_line is protocol.progress_line
-    assert status.protocol() is protocol
-    assert results.RUN_STATES is protocol.RUN_STATES
-    assert results.ACTIVE_STATES is protocol.ACTIVE_STATES
+    assert llama_runner.JobStatus is protocol.JobStatus  # the API
+    assert llama_runner.Phase is protocol.Phase
+    assert llama_runner.FailureKind is protocol.FailureKind
+    assert api.JobStatus is results.JobStatus is cli.JobStatus is protocol.JobStatus
+    assert events.RankStatus is protocol.RankStatus
+    assert job_filters.JobStatus is protocol.JobStatus  # the filters
+    assert job_filters.job_status is protocol.job_status
+    assert job_module.RankStatus is protocol.RankStatus  # the llama_job module
+    assert job_module.leading is protocol.leading
 
 
-def test_the_zipapp_on_the_nodes_carries_the_same_phases():
+def test_the_zipapp_on_the_nodes_carries_the_same_phases_and_kinds():
     shown = subprocess.run(
         [sys.executable, "-c", NODE_PHASES, str(TOOL)],
         capture_output=True,
@@ -480,40 +485,93 @@ def test_the_zipapp_on_the_nodes_carries_the_same_phases():
     node = json.loads(shown.stdout)
     assert node["file"].startswith(str(TOOL))  # read from inside the archive
     assert node["phases"] == [p.value for p in protocol.Phase]
-    assert node["terminal"] == list(protocol.TERMINAL)
-    assert node["states"] == list(protocol.RUN_STATES)
+    assert node["kinds"] == [k.value for k in protocol.FailureKind]
 
 
-def test_terminal_phases_are_the_ones_a_job_ends_in():
-    ended = {p.value for p in protocol.Phase if p.is_terminal()}
-    assert ended == {"succeeded", "failed", "stopped"} == set(protocol.TERMINAL)
-    assert all(protocol.is_terminal(p) for p in ended)
-    assert not protocol.is_terminal("running")
-    assert set(protocol.PHASE_STATES.values()) <= set(protocol.RUN_STATES)
-    assert protocol.run_state("waiting") == "starting"
-    assert protocol.run_state("no such phase") == "stopped"
+def test_phases_and_failure_kinds_are_closed_and_say_what_they_allow():
+    ended = {p for p in protocol.Phase if p.is_terminal()}
+    assert ended == {protocol.Phase.SUCCEEDED, protocol.Phase.FAILED, protocol.Phase.STOPPED}
+    going = {p for p in protocol.Phase if p.in_progress()}
+    assert going.isdisjoint({protocol.Phase.UNKNOWN, protocol.Phase.ABSENT})
+    assert going >= {protocol.Phase.WAITING, protocol.Phase.RESTARTING}
+    assert {p for p in protocol.Phase if p.resumable()} == {
+        protocol.Phase.FAILED,
+        protocol.Phase.STOPPED,
+    }
+    assert protocol.Phase.of("no such phase") is protocol.Phase.UNKNOWN
+    assert protocol.Phase.of("running") is protocol.Phase.RUNNING
+    kinds = protocol.FailureKind
+    assert {k for k in kinds if k.restartable()} == {
+        kinds.EXITED,
+        kinds.VANISHED,
+        kinds.STALLED,
+        kinds.LOST,
+    }
+    assert protocol.FailureKind.of("no such kind") is kinds.EXITED
 
 
-def test_a_rank_status_the_module_reshapes_is_the_protocols_shape():
-    record = {
-        "job": "j", "host": "n1", "rank": 0, "supervisor": "process", "unit": "llama-j-rank0",
-        "log": "/l", "state": "/s", "started": "2026-12-02T07:00:00Z",
-    }  # fmt: skip
+RECORD = {
+    "job": "j", "host": "n1", "rank": 0, "supervisor": "process", "unit": "llama-j-rank0",
+    "log": "/l", "state": "/s", "started": "2026-12-02T07:00:00Z",
+}  # fmt: skip
+
+
+def test_a_rank_status_reaches_the_play_unchanged_with_its_lead_and_line():
     state = {"phase": "running", "role": "master", "progress": {"current_steps": 3}}
-    rank = protocol.rank_status(record, state, alive=True, left=[])
-    reshaped = job_module.reshape(
-        {"job": "j", "found": True, "ranks": [rank]},
-        {"action": "status", "job": "j", "progress_file": ""},
+    rank = protocol.rank_status(RECORD, state, alive=True, left=[])
+    printed = {"job": "j", "found": True, "ranks": [rank.to_dict()]}
+    params = {"action": "status", "job": "j", "progress_file": ""}
+    handed = job_module.reshape(dict(printed), params)
+    assert handed["ranks"] == printed["ranks"]  # what llama-job printed, unchanged
+    assert handed["lead"] == rank.to_dict()
+    assert protocol.RankStatus.from_dict(handed["lead"]) == rank
+    assert handed["progress"] == "step 3/?"
+    assert handed["got_going"] is True
+    progress = results.TrainProgress.from_result("n1", handed)
+    assert progress is not None
+    assert progress.step == 3
+
+
+def test_an_agent_that_ended_without_a_word_is_a_lost_rank_and_a_failed_job():
+    state = {"phase": "running", "role": "master"}
+    lost = protocol.rank_status(RECORD, state, alive=False, left=[], errors=["boom"])
+    assert lost.phase is protocol.Phase.FAILED
+    assert lost.reason is not None
+    assert (lost.reason.kind, lost.reason.errors) == (protocol.FailureKind.LOST, ("boom",))
+    status = protocol.job_status(
+        {"n1": {"ranks": [lost.to_dict()]}, "n2": {"unreachable": True}}, "n1", "j"
     )
-    assert (reshaped["phase"], reshaped["progress_data"]) == ("running", {"current_steps": 3})
-    lost = protocol.rank_status(record, state, alive=False, left=[], errors=["boom"])
-    assert (lost["phase"], lost["reason"]["kind"], lost["reason"]["errors"]) == (
-        "failed",
-        "lost",
-        ["boom"],
+    assert (status.phase, status.node, status.unreachable) == (
+        protocol.Phase.FAILED,
+        "n1",
+        ("n2",),
     )
-    outcome = protocol.job_outcome({"n1": {"ranks": [lost]}, "n2": {"unreachable": True}}, "n1")
-    assert (outcome["phase"], outcome["node"], outcome["unreachable"]) == ("failed", "n1", ["n2"])
+    assert status.nodes["n2"] == protocol.NodeStatus(
+        protocol.Phase.UNKNOWN, reachable=False, active=None
+    )
+
+
+def test_the_status_status_yml_publishes_is_the_one_the_api_reads_back():
+    outcome = _summarised(
+        _ended("failed", reason=KILLED, restarts=1),
+        {"node1": _checkpoints(20), "node2": _checkpoints(20)},
+    )
+    published = json.loads(json.dumps(outcome))  # set_stats: JSON on the way
+    job = protocol.JobStatus.from_dict(published)
+    assert job.to_dict() == outcome
+    assert (job.phase, job.node, job.exit_status, job.step) == (
+        protocol.Phase.FAILED,
+        "node2",
+        -9,
+        29,
+    )
+    assert job.summary is not None
+    assert job.summary.resume == protocol.Resume(
+        "checkpoint-20",
+        "ansible-playbook train.yml -e resume=true -e run_id=r",
+        "Continue from checkpoint-20: ansible-playbook train.yml -e resume=true -e run_id=r",
+    )
+    assert job.restarts[0].after == protocol.Failure.from_dict(REASON)
 
 
 # -- ansible-playbook's output: Ansible's default, then each play's time and the slowest tasks.

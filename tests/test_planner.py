@@ -1015,6 +1015,7 @@ def test_the_plan_keeps_the_shape_resume_and_the_playbooks_read() -> None:
         "model",
         "datasets",
         "deepspeed",
+        "sharded",
         "nnodes",
         "nproc_per_node",
         "world_size",
@@ -1025,6 +1026,7 @@ def test_the_plan_keeps_the_shape_resume_and_the_playbooks_read() -> None:
         assert key in plan, key
     assert plan["run_id"] == "train-20260101-000000-qwen2-5-7b"
     assert plan["resume"] is False
+    assert plan["sharded"] is (plan["deepspeed"] != "none")
     json.dumps(plan)  # plan.json
 
 

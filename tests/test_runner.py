@@ -33,7 +33,6 @@ from llama_runner.scaling import (
     one_node_inventory,
     pinned,
 )
-from llama_runner.status import parse_status
 from train_runner import (
     DEFAULT_INVENTORY,
     EXIT_FAILED,
@@ -42,13 +41,14 @@ from train_runner import (
     EXIT_OK,
     EXIT_UNREACHABLE,
     PROJECT_DIR,
-    RUN_STATES,
     Cluster,
+    FailureKind,
     HostUnreachable,
     InvalidInput,
+    JobStatus,
+    Phase,
     PlaybookFailed,
     RunInterrupted,
-    RunStatus,
     TrainSummary,
 )
 
@@ -345,71 +345,55 @@ def test_missing_inventory_is_invalid_input(tmp_path: Path):
         cluster.provision()
 
 
-def test_progress_reads_the_trainer_log_and_the_contract_names():
-    llamafactory = train_runner.TrainProgress.from_result(
+def test_progress_reads_the_leading_ranks_trainer_log_record():
+    progress = train_runner.TrainProgress.from_result(
         "node1",
         {
             "progress": "step 3/10",
-            "progress_data": {
-                "current_steps": 3,
-                "total_steps": 10,
-                "loss": 2.5,
-                "elapsed_time": "0:01:02",
-                "remaining_time": "0:02:30",
-                "throughput": 120.0,
+            "lead": {
+                "phase": "running",
+                "progress": {
+                    "current_steps": 3,
+                    "total_steps": 10,
+                    "loss": 2.5,
+                    "elapsed_time": "0:01:02",
+                    "remaining_time": "0:02:30",
+                    "throughput": 120.0,
+                },
             },
         },
     )
-    contract = train_runner.TrainProgress.from_result(
-        "node1",
-        {"progress": "x", "progress_data": {"step": 3, "total_steps": 10, "remaining_s": 150}},
-    )
-    assert llamafactory is not None
-    assert contract is not None
-    assert (llamafactory.step, llamafactory.elapsed_s, llamafactory.remaining_s) == (3, 62, 150)
-    assert llamafactory.fraction == pytest.approx(0.3)
-    assert (contract.step, contract.total_steps, contract.remaining_s) == (3, 10, 150)
+    assert progress is not None
+    assert (progress.step, progress.elapsed_s, progress.remaining_s) == (3, 62, 150)
+    assert (progress.text, progress.tokens_per_s) == ("step 3/10", 120.0)
+    assert progress.fraction == pytest.approx(0.3)
     assert train_runner.TrainProgress.from_result("node1", {"msg": "no progress"}) is None
+    assert train_runner.TrainProgress.from_result("node1", {"progress": "x", "lead": None}) is None
 
 
-def test_status_reads_each_run_that_status_yml_publishes():
-    runs = parse_status(
-        {
-            "llama_status": {
-                "runs": [
-                    {
-                        "run_id": "train-a",
-                        "state": "running",
-                        "step": 3,
-                        "total_steps": 10,
-                        "loss": 1.5,
-                        "eta_s": "0:02:30",
-                        "nodes": {"node1": "running", "node2": "running"},
-                    },
-                    {
-                        "run_id": "train-b",
-                        "state": "failed",
-                        "failed_node": "node2",
-                        "exit_status": 137,
-                    },
-                ]
-            }
-        },
-        events=[],
+def test_status_returns_the_job_status_that_status_yml_publishes(cluster: Cluster):
+    playbook = cluster.project_dir / ".runner-test-status.yml"
+    published = {
+        "job": "train-a",
+        "phase": "running",
+        "progress": {"current_steps": 3, "total_steps": 10, "loss": 1.5},
+        "nodes": {"node1": {"phase": "running"}, "node2": {"phase": "waiting"}},
+    }
+    playbook.write_text(
+        "- name: Status | Publish\n  hosts: localhost\n  gather_facts: false\n  tasks:\n"
+        "    - name: Status | Hand the run's status to ansible-runner\n"
+        "      ansible.builtin.set_stats:\n"
+        f"        data: {{llama_status: {json.dumps(published)}}}\n"
+        "        per_host: false\n"
     )
-    assert runs[0] == RunStatus(
-        run_id="train-a",
-        state="running",
-        step=3,
-        total_steps=10,
-        loss=1.5,
-        eta_s=150,
-        nodes={"node1": "running", "node2": "running"},
-    )
-    assert (runs[1].state, runs[1].failed_node, runs[1].exit_status) == ("failed", "node2", 137)
-    assert [run.active for run in runs] == [True, False]
-    assert runs[0].progress().fraction == pytest.approx(0.3)
-    assert set(RUN_STATES) >= {run.state for run in runs}
+    try:
+        result = cluster.run_playbook(playbook.name, {}, inventory=False)
+    finally:
+        playbook.unlink()
+    job = JobStatus.from_dict(result.data["llama_status"])
+    assert (job.job, job.phase, job.step, job.total_steps) == ("train-a", Phase.RUNNING, 3, 10)
+    assert job.nodes["node2"].phase is Phase.WAITING
+    assert job.phase.in_progress()
 
 
 # ---- the CLI -------------------------------------------------------------------------------
@@ -925,7 +909,8 @@ def test_lab_detached_run_is_followed_by_status_and_attach(provisioned: Cluster)
     progress: list[train_runner.TrainProgress] = []
     result = provisioned.attach(run_id, poll_s=5, on_progress=progress.append)
     assert result.run_id == run_id
-    assert [(run.run_id, run.state) for run in result.runs] == [(run_id, "succeeded")]
+    assert result.job is not None
+    assert (result.job.job, result.job.phase) == (run_id, Phase.SUCCEEDED)
     assert progress
     assert progress[-1].step is not None
     assert progress[-1].step == progress[-1].total_steps
@@ -937,41 +922,17 @@ def test_lab_detached_run_is_followed_by_status_and_attach(provisioned: Cluster)
     assert (summary.controller_dir / "trainer_log.jsonl").is_file()
     status = cli("--json", "status", "--run-id", run_id, timeout=300)
     assert status.returncode == EXIT_OK, status.stderr[-3000:]
-    assert '"state": "succeeded"' in status.stdout
+    assert '"phase": "succeeded"' in status.stdout
 
 
-def test_status_reads_the_job_shape_that_status_yml_publishes():
+def test_a_failed_runs_status_says_where_it_ended_and_where_to_continue():
     published = {
-        "run_id": "train-1-tiny",
+        "job": "train-1-tiny",
         "phase": "failed",
-        "node": "node2",
-        "exit_status": -9,
-        "progress": {
-            "current_steps": 30,
-            "total_steps": 100,
-            "loss": 1.5,
-            "remaining_time": "0:01:35",
-        },
-        "nodes": {"node1": {"phase": "stopped"}, "node2": {"phase": "failed"}},
-    }
-    (run,) = parse_status({"llama_status": published}, [])
-    assert (run.run_id, run.state, run.step, run.total_steps) == ("train-1-tiny", "failed", 30, 100)
-    assert (run.loss, run.eta_s, run.failed_node, run.exit_status) == (1.5, 95.0, "node2", -9)
-    assert run.nodes == {"node1": "stopped", "node2": "failed"}
-    (waiting,) = parse_status({"llama_status": {"run_id": "r", "phase": "waiting"}}, [])
-    assert waiting.state == "starting"
-
-
-def test_status_of_an_ended_run_says_loss_time_restarts_and_where_to_continue():
-    published = {
-        "run_id": "train-1-tiny",
-        "phase": "failed",
-        "node": "node2",
-        "exit_status": -9,
+        "reason": {"node": "node2", "kind": "exited", "exit_status": -9, "message": "killed"},
         "progress": {"current_steps": 29, "total_steps": 90},  # no loss: the closing record
         "nodes": {"node1": {"phase": "failed"}, "node2": {"phase": "failed"}},
         "summary": {
-            "outcome": "failed",
             "step": 29,
             "total_steps": 90,
             "final_loss": 1.25,
@@ -987,21 +948,17 @@ def test_status_of_an_ended_run_says_loss_time_restarts_and_where_to_continue():
             },
         },
     }
-    (run,) = parse_status({"llama_status": published}, [])
-    assert (run.state, run.step, run.total_steps, run.failed_node) == ("failed", 29, 90, "node2")
-    assert (run.final_loss, run.loss, run.time_s) == (1.25, 1.25, 760.0)
-    assert (run.restarts, run.max_restarts, run.restarted_after) == (2, 2, ("node2", "node1"))
-    assert run.resume_checkpoint == "checkpoint-20"
-    assert run.resume_command == "ansible-playbook train.yml -e resume=true -e run_id=train-1-tiny"
-    stopped = {**published, "phase": "stopped", "summary": {"resume": {"message": "no checkpoint"}}}
-    (run,) = parse_status({"llama_status": stopped}, [])
-    assert (run.state, run.resume_checkpoint, run.resume_message) == (
-        "stopped",
-        None,
-        "no checkpoint",
-    )
-    (going,) = parse_status({"llama_status": {"run_id": "r", "phase": "running"}}, [])
-    assert (going.final_loss, going.restarts, going.resume_command) == (None, None, None)
+    job = JobStatus.from_dict(published)
+    assert (job.phase, job.node, job.exit_status, job.step) == (Phase.FAILED, "node2", -9, 29)
+    assert job.reason is not None
+    assert job.reason.kind is FailureKind.EXITED
+    assert job.summary is not None
+    assert (job.summary.final_loss, job.summary.restarted_after) == (1.25, ("node2", "node1"))
+    assert job.summary.resume is not None
+    assert job.summary.resume.checkpoint == "checkpoint-20"
+    progress = train_runner.TrainProgress.of_job(job)
+    assert (progress.step, progress.total_steps, progress.text) == (29, 90, "failed step 29/90")
+    assert not job.phase.in_progress()
 
 
 def test_the_summary_from_the_controller_dir_reads_the_last_attempt(tmp_path: Path):

@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from ansible_collections.llama.cluster.plugins.action.run_plan import dataset_files
 from ansible_collections.llama.cluster.plugins.filter import preflight
-from ansible_collections.llama.cluster.plugins.filter.run_config import dataset_files
 from ansible_collections.llama.cluster.plugins.module_utils.planner.checkpoints import resume_point
 
 ROOT = Path(__file__).resolve().parents[1]

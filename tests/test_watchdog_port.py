@@ -8,8 +8,8 @@ frames sealed with the job's own key around bodies that are no message), the Hub
 connection and counts why, never raises, and a genuine worker completes its handshake right
 after; the worker's side returns a refusal (never an exception) from a watchdog that is not
 its master and keeps reading its master's messages around lines that do not verify. The
-issue's three probes (issue 40) are kept as explicit cases, on both sides. tests/test_llama_job.py
-sends them to real runner processes while a job runs.
+issue's three probes (issue 40) are kept as explicit cases, on both sides.
+tests/test_llama_job_link.py sends them to real agent processes while a job runs.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from ansible_collections.llama.cluster.plugins.module_utils.llama_job.link impor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.test_llama_job import ISSUE_PROBES
+from tests.test_llama_job_link import ISSUE_PROBES
 
 KEY = b"the job's secret"
 JOB = "train-20261205-120000-tiny"
@@ -155,8 +155,8 @@ def hostile_lines(context: str, keyed: bool = True) -> st.SearchStrategy[bytes]:
 
 # -- the master's side: a Hub on a real socket ---------------------------------------------------
 class Master:
-    """A Hub on 127.0.0.1 with a stand-in for the master's runner that welcomes every hello
-    (as MasterRunner.peer_hello does), in threads of this process."""
+    """A Hub on 127.0.0.1 with a stand-in for the master's agent that welcomes every hello
+    (as MasterAgent.peer_hello does), in threads of this process."""
 
     def __init__(self) -> None:
         self.server = socket.create_server(("127.0.0.1", 0))

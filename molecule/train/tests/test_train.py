@@ -5,7 +5,7 @@ Each test drives `ansible-playbook` against molecule's inventory, exactly as a u
 inspects the nodes with `docker exec` and the controller's runs/ directory. The faults are real:
 a training process killed, a container killed or frozen, the controller's play killed. Each fault
 test measures the time from the fault to the moment no training process is left on any node that
-is still up, and asserts it against the bound the cluster promises (README, roles/job/README.md).
+is still up, and asserts it against the bound the cluster promises (docs/faults.md).
 """
 
 from __future__ import annotations
@@ -51,18 +51,18 @@ NODE_FROZEN_MIN_S = 120
 # need (resident: llamafactory-cli 0.8 GiB, torchrun 0.55 GiB, a rank 0.75 GiB on the lab).
 HOST_LIMIT_MIB = 768
 RANK_DIES_BOUND = (
-    "a second or two (the runner's 0.2 s loop, one message to the other node) + "
+    "a second or two (the agent's 0.2 s loop, one message to the other node) + "
     "job_stop_timeout (10 s) to SIGKILL; 30 s leaves room for a loaded 2-core machine"
 )
 # A node that loses power sends nothing and closes nothing: the others give it up after
 # job_peer_timeout of silence (the last message they heard came before the cut, so at most that
 # long after it), and it gives them up the same way; then SIGTERM, SIGKILL after
 # job_stop_timeout. The bound is that sum from the run's own spec, plus this much for a loaded
-# 2-core machine (the runners' 0.2 s loop, the ranks' exit, this test's docker exec polling).
+# 2-core machine (the agents' 0.2 s loop, the ranks' exit, this test's docker exec polling).
 POWER_LOSS_SLACK_S = 15
 
 # Every fault test's measurement, with its bound and how the bound is derived, lands in one
-# file (each run rewrites the rows it measured; not in git): README's fault table was read there.
+# file (each run rewrites the rows it measured; not in git): docs/faults.md's table was read there.
 RESULTS = ROOT / ".cache" / "fault_timings.json"
 
 _state: dict[str, str] = {}
@@ -394,10 +394,10 @@ def test_killing_the_worker_stops_every_rank_and_names_it() -> None:
     assert all(f"{node}: reused the tokenized copy " in said for node in NODES), said[-3000:]
     assert "exit status 1" in said or "killed by signal" in said, said[-3000:]
     assert "First error lines on" in said
-    # save_on_each_node: both nodes hold a checkpoint, so the play recommends a resume.
+    # save_on_each_node: both nodes hold a checkpoint, so the play names the one a resume continues
+    # from, by llama-job's rule (the filter job_resume, as status.yml says it).
     assert re.search(
-        r"continue from checkpoint-\d+ \(on [\w, -]+\): ansible-playbook train.yml -e resume=true",
-        said,
+        r"Continue from checkpoint-\d+: ansible-playbook train.yml -e resume=true", said
     ), said[-3000:]
     _assert_nothing_active()
 
@@ -536,7 +536,7 @@ def test_a_stray_listener_on_the_master_port_is_refused_before_anything_is_writt
         assert "port 29500 is in use by pid" in said, said[-3000:]
         assert "python3 -m http.server 29500" in said
         assert "Nothing was written on any node" in said
-        # Refused before the run directory was written, and no runner ever started.
+        # Refused before the run directory was written, and no agent ever started.
         assert _runs() == before
         assert _training_processes() == {}
     finally:
@@ -565,7 +565,7 @@ def test_a_frozen_worker_is_given_up_and_nothing_of_the_run_survives_it() -> Non
     )
     said = _assert_failure_reported(done, WORKER, run_id)
     assert "stopped answering" in said
-    # Thawed, the worker's runner finds the master gone and ends its ranks at once.
+    # Thawed, the worker's agent finds the master gone and ends its ranks at once.
     thawed = _time_until_stopped(time.monotonic(), (WORKER,), 30)
     print(f"after docker unpause the worker's ranks stopped in {thawed:.1f} s")
     deadline = time.monotonic() + 30
@@ -633,7 +633,7 @@ def test_a_worker_that_loses_power_mid_run_stops_every_rank_and_is_named(watched
     if play is not None:
         said = _assert_failure_reported(play.wait(timeout=300), WORKER, run_id)
         assert gone in said, said[-3000:]
-    # Its network back, the worker finds the master's runner gone and ends its own part.
+    # Its network back, the worker finds the master's agent gone and ends its own part.
     deadline = time.monotonic() + 60
     while _jobs(WORKER, "list", "--active")["jobs"] and time.monotonic() < deadline:
         time.sleep(1)
@@ -670,7 +670,7 @@ def test_with_nobody_watching_and_no_systemd_a_dying_worker_still_stops_every_ra
     )
     log = _node(MASTER, f"cat {RUNS}/{run_id}/logs/{MASTER}.log")
     assert "supervisor process" in log
-    # The ranks are gone; the runners record the outcome a moment later (status.yml asked in
+    # The ranks are gone; the agents record the outcome a moment later (status.yml asked in
     # between says "stopping", as it should).
     deadline = time.monotonic() + 60
     while any(_jobs(n, "list", "--active")["jobs"] for n in NODES) and time.monotonic() < deadline:
@@ -741,7 +741,7 @@ def test_a_killed_worker_node_stops_every_rank_rejoins_when_it_boots_then_is_rep
         "60 s leaves room for the container's end on a loaded 2-core machine",
     )
     worker_log = _node(WORKER, f"cat {RUNS}/{run_id}/logs/{WORKER}.log")
-    assert worker_log.count(f"job {run_id} rank 1 (worker)") == 2, "its runner did not rejoin"
+    assert worker_log.count(f"job {run_id} rank 1 (worker)") == 2, "its agent did not rejoin"
     assert "restart: attempt 2" in worker_log
     subprocess.run(["docker", "kill", WORKER], check=True, capture_output=True)
     try:
@@ -790,7 +790,7 @@ def _revive(node: str) -> None:
     address = _state.setdefault(f"address-{node}", _address(node))
     subprocess.run(["docker", "start", node], check=False, capture_output=True)
     assert _address(node) == address, f"{node} came back with another address"
-    # At once, before its runner rejoins a job (a real node applies its sysctl.d at boot).
+    # At once, before its agent rejoins a job (a real node applies its sysctl.d at boot).
     with contextlib.suppress(subprocess.SubprocessError):
         _node(node, "sysctl -w net.ipv4.ip_local_port_range='40000 40999' >/dev/null")
     deadline = time.monotonic() + 120

@@ -1,17 +1,26 @@
-"""Jinja filters that turn what every node's llama-job said into one verdict and one message.
+"""Jinja filters that turn what every node's llama-job said into one job status and its words.
 
-The play only reports: each node's runner already decided (see roles/job_supervisor); these
-filters pick the view that speaks for the job when some nodes could not be asked.
+The play only reports: each node's agent already decided (see roles/job_supervisor); these
+filters pick the view that speaks for the job when some nodes could not be asked, and say it.
+Every status here is llama-job's own type (module_utils/llama_job/protocol.py): the filters take
+and return its JSON (`JobStatus.to_dict`), unchanged.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
-from ansible_collections.llama.cluster.plugins.module_utils.llama_job import protocol
+from ansible_collections.llama.cluster.plugins.module_utils.llama_job.protocol import (
+    FailureKind,
+    JobStatus,
+    Phase,
+    Resume,
+    RunSummary,
+    describe_exit,
+    job_status,
+)
 from ansible_collections.llama.cluster.plugins.module_utils.planner.checkpoints import (
     resume_point,
 )
@@ -21,89 +30,65 @@ from ansible_collections.llama.cluster.plugins.module_utils.trainer_log import (
 )
 
 
-def job_outcome(
-    hosts: list[str], hostvars: Mapping[str, Any], master: str, register: str
+def job_status_of(
+    hosts: list[str], hostvars: Mapping[str, Any], master: str, register: str, job: str = ""
 ) -> dict[str, Any]:
-    """One job's state across the cluster from each node's registered `llama_job status`
-    (protocol.job_outcome: a node without the result, which left the play or did not answer,
-    counts as unreachable)."""
+    """One job's status across the cluster (protocol.job_status) from each node's registered
+    `llama_job status`: a node without the result (it left the play, or did not answer) counts
+    as unreachable."""
     results = {}
     for host in hosts:
         found = hostvars[host].get(register) if host in hostvars else None
         results[host] = found if isinstance(found, Mapping) else {"unreachable": True}
-    return protocol.job_outcome(results, master)
+    return job_status(results, master, job).to_dict()
 
 
-def _exit_words(code: object) -> str:
-    if not isinstance(code, int):
-        return ""
-    if code < 0:
-        return f"killed by signal {-code}"
-    return f"exit status {code}"
-
-
-def _failure_head(reason: Mapping[str, Any], job: str, where: str) -> str:
+def _failure_head(status: JobStatus, where: str) -> str:
     """The message's first line: stopped, or failed with what it said and its exit status."""
-    words = _exit_words(reason.get("exit_status"))
-    said = str(reason.get("message") or "it failed")
-    if reason.get("kind") == "stopped":
-        return f"Job {job} was stopped ({said}, on {where})."
+    reason = status.reason
+    said = reason.message if reason else "it failed"
+    if reason is not None and reason.kind is FailureKind.STOPPED:
+        return f"Job {status.job} was stopped ({said}, on {where})."
+    code = reason.exit_status if reason else None
+    words = describe_exit(code).split(" (")[0] if code is not None else ""
     tail = f", {words}" if words and words not in said else ""
-    return f"Job {job} failed on {where}: {said}{tail}."
+    return f"Job {status.job} failed on {where}: {said}{tail}."
 
 
-def _aftermath(outcome: Mapping[str, Any], node: str, kind: object) -> list[str]:
+def _aftermath(status: JobStatus) -> list[str]:
     """The restarts, what still runs or was stopped, and the nodes that did not answer."""
     lines = []
-    if outcome.get("restarts"):
-        lines.append(
-            f"It was restarted {len(outcome['restarts'])} time(s) of {outcome.get('max_restarts')}."
-        )
-    stopped = [h for h, n in (outcome.get("nodes") or {}).items() if n.get("reachable")]
-    if outcome.get("active"):
-        lines.append(
-            f"Still running on {', '.join(outcome['active'])}: stop it (playbooks/stop.yml)."
-        )
+    if status.restarts:
+        lines.append(f"It was restarted {len(status.restarts)} time(s) of {status.max_restarts}.")
+    stopped = [h for h, n in status.nodes.items() if n.reachable]
+    if status.active:
+        lines.append(f"Still running on {', '.join(status.active)}: stop it (playbooks/stop.yml).")
     elif stopped:
         lines.append(f"Every rank was stopped on {', '.join(stopped)}.")
-    unreachable = list(outcome.get("unreachable") or [])
-    away = [h for h in unreachable if h != node or kind != "vanished"]
+    vanished = status.reason is not None and status.reason.kind is FailureKind.VANISHED
+    away = [h for h in status.unreachable if h != status.node or not vanished]
     if away:
         lines.append(
-            f"{', '.join(unreachable)} did not answer: its runner ends its ranks on "
+            f"{', '.join(status.unreachable)} did not answer: its agent ends its ranks on "
             "its own once it notices the master is gone."
         )
-    elif unreachable:
-        lines.append(f"{node} did not answer.")
+    elif status.unreachable:
+        lines.append(f"{status.node} did not answer.")
     return lines
 
 
-def job_failure_message(outcome: Mapping[str, Any], job: str, ranks: Mapping[str, int]) -> str:
+def job_failure_message(data: Mapping[str, Any], ranks: Mapping[str, int]) -> str:
     """The play's failure message: the node, its exit status and its first error lines."""
-    reason = outcome.get("reason") or {}
-    node = reason.get("node") or "an unknown node"
-    rank = ranks.get(node, reason.get("rank"))
+    status = JobStatus.from_dict(data)
+    node = status.node or "an unknown node"
+    rank = ranks.get(node, status.reason.rank if status.reason else None)
     where = f"{node} (rank {rank})" if rank is not None else node
-    lines = [_failure_head(reason, job, where), *_aftermath(outcome, node, reason.get("kind"))]
-    errors = list(outcome.get("errors") or [])
+    lines = [_failure_head(status, where), *_aftermath(status)]
+    errors = list(status.reason.errors) if status.reason else []
     if errors:
         lines.append(f"First error lines on {node}:")
         lines.extend(f"  {line}" for line in errors[:12])
     return "\n".join(lines)
-
-
-def job_found_paths(
-    hosts: list[str], hostvars: Mapping[str, Any], register: str
-) -> dict[str, list[str] | None]:
-    """Per node, the paths a registered `find` returned; None where the node did not answer."""
-    found: dict[str, list[str] | None] = {}
-    for host in hosts:
-        result = hostvars[host].get(register) if host in hostvars else None
-        if not isinstance(result, Mapping) or result.get("unreachable") or result.get("failed"):
-            found[host] = None
-        else:
-            found[host] = [str(f.get("path")) for f in result.get("files") or []]
-    return found
 
 
 def job_found_files(
@@ -137,10 +122,10 @@ def _moment(value: object) -> datetime | None:
         return None
 
 
-def _run_time(outcome: Mapping[str, Any], log: Mapping[str, Any]) -> tuple[float | None, str]:
+def _run_time(status: JobStatus, log: Mapping[str, Any]) -> tuple[float | None, str]:
     """The run's time in seconds and where it comes from: llama-job's start and end of the job
     (every attempt), else the trainer's elapsed time (its last attempt only)."""
-    started, ended = _moment(outcome.get("started")), _moment(outcome.get("ended"))
+    started, ended = _moment(status.started), _moment(status.ended)
     if started and ended and ended >= started:
         return (ended - started).total_seconds(), "llama-job"
     elapsed = str(log.get("elapsed") or "")
@@ -151,216 +136,159 @@ def _run_time(outcome: Mapping[str, Any], log: Mapping[str, Any]) -> tuple[float
     return None, ""
 
 
-def _resume(
+def resume_of(
     checkpoints: Mapping[str, Any] | None, run_id: str, run_dir: str, sharded: bool
-) -> dict[str, Any]:
-    """The checkpoint a resume would continue from (the rule of -e resume=true: the latest
-    complete checkpoint every node holds), the command, or why there is none."""
+) -> Resume:
+    """The checkpoint a resume would continue from (the rule llama-job applies before a
+    restart and a resumed run's first attempt: the latest complete checkpoint every node
+    holds), the command, or why there is none."""
     found = dict(checkpoints or {})
     silent = sorted(host for host, entries in found.items() if entries is None)
     if not found or silent:
-        return {
-            "checkpoint": None,
-            "command": None,
-            "message": (
-                f"{', '.join(silent)} did not answer, so the checkpoint to continue from is "
-                f"unknown. Bring it back (a run resumes on the same nodes), then: "
-                f"{resume_command(run_id)}"
-                if silent
-                else "its checkpoints were not looked for"
-            ),
-        }
+        return Resume(
+            None,
+            None,
+            f"{', '.join(silent)} did not answer, so the checkpoint to continue from is "
+            f"unknown. Bring it back (a run resumes on the same nodes), then: "
+            f"{resume_command(run_id)}"
+            if silent
+            else "its checkpoints were not looked for",
+        )
     point = resume_point(found, run_id, run_dir, "-", sharded)
     if not point["ok"]:
-        return {"checkpoint": None, "command": None, "message": point["message"]}
-    return {
-        "checkpoint": point["checkpoint"],
-        "command": resume_command(run_id),
-        "message": f"Continue from {point['checkpoint']}: {resume_command(run_id)}",
-    }
+        return Resume(None, None, point["message"])
+    command = resume_command(run_id)
+    return Resume(point["checkpoint"], command, f"Continue from {point['checkpoint']}: {command}")
+
+
+def job_resume(
+    checkpoints: Mapping[str, Any] | None, run_id: str, run_dir: str, sharded: bool = False
+) -> dict[str, Any]:
+    """The checkpoint a resume of `run_id` would continue from, given what `find` found on each
+    node (job_found_files' shape): a Resume's JSON (checkpoint None: the message says why)."""
+    return resume_of(checkpoints, run_id, run_dir, sharded).to_dict()
 
 
 def job_run_summary(
-    outcome: Mapping[str, Any],
+    data: Mapping[str, Any],
     checkpoints: Mapping[str, Any] | None,
-    run_id: str,
     run_dir: str = "",
     sharded: bool = False,
-) -> dict[str, Any]:
-    """What a user wants to know of an ended run (succeeded, failed or stopped), from its
-    `job_outcome` and, for a failed or stopped run, the checkpoints every node holds
-    (job_found_files of a `find` for checkpoint-* and trainer_state.json in the output dir).
-
-    Returns outcome, step, total_steps, final_loss (the last attempt's last logged loss), time_s
-    and time_from (llama-job's start to end; the trainer log's elapsed where llama-job recorded
-    no end), restarts, max_restarts, restarted_after (the node that failed before each restart),
-    and resume: {checkpoint, command, message} for a failed or stopped run, else None. {} for a
-    run that has not ended.
-    """
-    phase = outcome.get("phase")
-    if not protocol.is_terminal(phase):
-        return {}
-    log = outcome.get("trainer_log") or {}
-    record = outcome.get("progress") or {}
+) -> dict[str, Any] | None:
+    """What a user wants to know of an ended run (succeeded, failed or stopped), from its job
+    status and, for a failed or stopped run, the checkpoints every node holds (job_found_files
+    of a `find` for checkpoint-* and trainer_state.json in the output dir): a RunSummary's JSON.
+    None for a run that has not ended."""
+    status = JobStatus.from_dict(data)
+    if not status.phase.is_terminal():
+        return None
+    log = status.trainer_log
+    record = status.progress
     loss = log.get("final_loss")
     if loss is None and isinstance(record.get("loss"), int | float):
         loss = record["loss"]
-    seconds, source = _run_time(outcome, log)
-    restarts = [r for r in outcome.get("restarts") or [] if isinstance(r, Mapping)]
-    return {
-        "outcome": phase,
-        "step": log.get("last_step", record.get("current_steps")),
-        "total_steps": log.get("total_steps") or record.get("total_steps"),
-        "final_loss": loss,
-        "time_s": seconds,
-        "time_from": source,
-        "restarts": len(restarts),
-        "max_restarts": outcome.get("max_restarts", 0),
-        "restarted_after": [(r.get("after") or {}).get("node") for r in restarts],
-        "resume": None if phase == "succeeded" else _resume(checkpoints, run_id, run_dir, sharded),
-    }
+    seconds, source = _run_time(status, log)
+    summary = RunSummary(
+        step=log.get("last_step", record.get("current_steps")),
+        total_steps=log.get("total_steps") or record.get("total_steps"),
+        final_loss=loss,
+        time_s=seconds,
+        time_from=source,
+        restarts=len(status.restarts),
+        max_restarts=status.max_restarts,
+        restarted_after=tuple(str(r.after.node) for r in status.restarts if r.after),
+        resume=(
+            resume_of(checkpoints, status.job, run_dir, sharded)
+            if status.phase.resumable()
+            else None
+        ),
+    )
+    return summary.to_dict()
 
 
-def _summary_lines(summary: Mapping[str, Any]) -> tuple[str, list[str]]:
+def _summary_lines(summary: RunSummary) -> tuple[str, list[str]]:
     """The head's figures of an ended run, and the lines under it."""
     figures = []
-    if summary.get("step") is not None:
-        figures.append(f"step {summary['step']}/{summary.get('total_steps') or '?'}")
-    if isinstance(summary.get("final_loss"), int | float):
-        figures.append(f"final loss {summary['final_loss']:.4f}")
-    if summary.get("time_s") is not None:
-        figures.append(f"time {timedelta(seconds=int(summary['time_s']))}")
-    count, allowed = summary.get("restarts") or 0, summary.get("max_restarts") or 0
-    if count:
-        after = ", then ".join(str(node) for node in summary.get("restarted_after") or [])
-        lines = [f"  Restarts: {count} of {allowed} ({after} failed)"]
+    if summary.step is not None:
+        figures.append(f"step {summary.step}/{summary.total_steps or '?'}")
+    if summary.final_loss is not None:
+        figures.append(f"final loss {summary.final_loss:.4f}")
+    if summary.time_s is not None:
+        figures.append(f"time {timedelta(seconds=int(summary.time_s))}")
+    if summary.restarts:
+        after = ", then ".join(summary.restarted_after)
+        lines = [f"  Restarts: {summary.restarts} of {summary.max_restarts} ({after} failed)"]
     else:
-        lines = [f"  Restarts: none ({allowed} allowed)"]
-    resume = summary.get("resume")
-    if resume:
+        lines = [f"  Restarts: none ({summary.max_restarts} allowed)"]
+    resume = summary.resume
+    if resume is not None:
         lines.append(
-            f"  {resume['message']}"
-            if resume.get("checkpoint")
-            else f"  No resume: {resume.get('message')}"
+            f"  {resume.message}" if resume.checkpoint else f"  No resume: {resume.message}"
         )
     return ", ".join(figures), lines
 
 
-def _steps(names: object) -> list[int]:
-    found = []
-    for name in names or []:
-        match = re.search(r"checkpoint-(\d+)$", str(name).rstrip("/"))
-        if match:
-            found.append(int(match.group(1)))
-    return sorted(found)
-
-
-def job_resume_advice(
-    checkpoints: Mapping[str, Any],
-    needs: list[str],
-    run_id: str,
-    outcome: Mapping[str, Any] | None = None,
-) -> str:
-    """What to do after a failed run: resume only when every node that needs a checkpoint has one.
-
-    `checkpoints` maps each node to the checkpoint directories found there (a list), or to
-    None when the node could not be asked. `needs` are the nodes that must hold one: every
-    node when each keeps its own (save_on_each_node), only the master on shared storage.
-    """
-    reason = (outcome or {}).get("reason") or {}
-    never_trained = reason.get("kind") == "start"
-    fix = "Fix what the message says, then " if never_trained else "Once the cause above is fixed, "
-    resume = f"ansible-playbook train.yml -e resume=true -e run_id={run_id}"
-    unknown = [h for h in needs if checkpoints.get(h) is None]
-    empty = [h for h in needs if checkpoints.get(h) is not None and not _steps(checkpoints[h])]
-    if unknown:
-        return (
-            f"No resume yet: {', '.join(unknown)} did not answer, so its checkpoints are unknown. "
-            f"Bring it back (a run resumes on the same nodes), then: {resume}"
-        )
-    if empty:
-        where = ", ".join(empty) + (" have" if len(empty) > 1 else " has")
-        return (
-            f"No resume: {where} no checkpoint of this run (one is written every save_steps "
-            f"steps). {fix}start a new run (ansible-playbook train.yml -e model=... as before)."
-        )
-    common = set(_steps(checkpoints[needs[0]])) if needs else set()
-    for host in needs[1:]:
-        common &= set(_steps(checkpoints[host]))
-    if not common:
-        return (
-            f"No resume: the nodes hold no checkpoint of the same step ({', '.join(needs)}). "
-            f"{fix}start a new run."
-        )
-    return f"{fix}continue from checkpoint-{max(common)} (on {', '.join(needs)}): {resume}"
-
-
-def _status_head(outcome: Mapping[str, Any], job: str, figures: str) -> str:
+def _status_head(status: JobStatus, figures: str) -> str:
     """The first line of status.yml's report: the phase and what matters in it."""
-    phase = outcome.get("phase", "unknown")
-    record = outcome.get("progress") or {}
-    reason = outcome.get("reason") or {}
-    head = f"Run {job}: {phase}"
-    if phase in ("running", "starting") and record:
+    record, reason = status.progress, status.reason
+    head = f"Run {status.job}: {status.phase.value}"
+    if status.phase in (Phase.RUNNING, Phase.STARTING) and record:
         head += f", step {record.get('current_steps', '?')}/{record.get('total_steps', '?')}"
         if isinstance(record.get("loss"), int | float):
             head += f", loss {record['loss']:.4f}"
         if record.get("remaining_time"):
             head += f", ETA {record['remaining_time']}"
-    elif phase == "restarting":
+    elif status.phase is Phase.RESTARTING and reason is not None:
         head += (
-            f" after {reason.get('node')}: {reason.get('message')} "
-            f"(restart {len(outcome.get('restarts') or []) + 1} of {outcome.get('max_restarts')})"
+            f" after {reason.node}: {reason.message} "
+            f"(restart {len(status.restarts) + 1} of {status.max_restarts})"
         )
-    elif phase in ("failed", "stopped") and reason:
-        words = _exit_words(reason.get("exit_status"))
-        head += f" on {reason.get('node')}: {reason.get('message')}"
-        if words and words not in str(reason.get("message")):
+    elif status.phase.resumable() and reason is not None:
+        code = reason.exit_status
+        words = describe_exit(code).split(" (")[0] if code is not None else ""
+        head += f" on {reason.node}: {reason.message}"
+        if words and words not in reason.message:
             head += f" ({words})"
-    elif phase == "succeeded" and figures:
+    elif status.phase is Phase.SUCCEEDED and figures:
         head += f", {figures}"
     return head
 
 
-def job_status_lines(outcome: Mapping[str, Any], job: str) -> list[str]:
-    """status.yml's report of one run; an ended run's figures come from outcome["summary"]
+def job_status_lines(data: Mapping[str, Any]) -> list[str]:
+    """status.yml's report of one run; an ended run's figures come from its summary
     (job_run_summary)."""
-    phase = outcome.get("phase", "unknown")
-    summary = outcome.get("summary") or {}
-    figures, below = _summary_lines(summary) if summary else ("", [])
-    head = _status_head(outcome, job, figures)
-    if phase in ("failed", "stopped") and figures:
+    status = JobStatus.from_dict(data)
+    figures, below = _summary_lines(status.summary) if status.summary else ("", [])
+    head = _status_head(status, figures)
+    if status.phase.resumable() and figures:
         below.insert(0, f"  Ended at {figures}")
     lines = [head, *below]
-    for host, node in sorted((outcome.get("nodes") or {}).items()):
-        state = node.get("phase") if node.get("reachable") else "did not answer"
-        rank = f" rank {node['rank']}" if node.get("rank") is not None else ""
+    for host, node in sorted(status.nodes.items()):
+        said = node.phase.value if node.reachable else "did not answer"
+        rank = f" rank {node.rank}" if node.rank is not None else ""
+        left = " (processes left)" if node.active and node.phase.is_terminal() else ""
+        lines.append(f"  {host}{rank}: {said}{left}")
+    for item in status.restarts:
+        after = item.after
         lines.append(
-            f"  {host}{rank}: {state}"
-            + (" (processes left)" if node.get("active") and protocol.is_terminal(state) else "")
+            f"  restart to attempt {item.attempt} at {item.at}, after "
+            f"{after.node if after else '?'}: {after.message if after else '?'}"
         )
-    for item in outcome.get("restarts") or []:
-        after = item.get("after") or {}
-        lines.append(
-            f"  restart to attempt {item.get('attempt')} at {item.get('at')}, after "
-            f"{after.get('node')}: {after.get('message')}"
-        )
-    for line in (outcome.get("errors") or [])[:6] if phase == "failed" else []:
-        lines.append(f"  | {line}")
+    if status.phase is Phase.FAILED and status.reason is not None:
+        lines.extend(f"  | {line}" for line in status.reason.errors[:6])
     return lines
 
 
 class FilterModule:
-    """Job outcome filters."""
+    """Job status filters."""
 
     def filters(self) -> dict[str, Any]:
         """The filters this plugin provides."""
         return {
-            "job_outcome": job_outcome,
+            "job_status": job_status_of,
             "job_failure_message": job_failure_message,
-            "job_resume_advice": job_resume_advice,
-            "job_found_paths": job_found_paths,
             "job_found_files": job_found_files,
+            "job_resume": job_resume,
             "job_trainer_log": job_trainer_log,
             "job_run_summary": job_run_summary,
             "job_status_lines": job_status_lines,

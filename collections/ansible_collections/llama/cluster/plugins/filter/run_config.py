@@ -10,9 +10,6 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ansible_collections.llama.cluster.plugins.module_utils.planner.checkpoints import (
-    resume_point,
-)
 from ansible_collections.llama.cluster.plugins.module_utils.planner.disk import disk_budget
 from ansible_collections.llama.cluster.plugins.module_utils.planner.nodes import (
     hosts_without_gpu_facts,
@@ -213,23 +210,6 @@ def run_files(texts: Mapping[str, str], run_dir: str) -> list[dict[str, Any]]:
     ]
 
 
-def dataset_files(
-    datasets: list[Mapping[str, Any]], checked: Mapping[str, Mapping[str, Any]]
-) -> list[dict[str, Any]]:
-    """The run's datasets, in order, each with the file to train on that its check returned
-    (llama.cluster.run_plan).
-
-    checked maps a dataset name to a check result ({"file": ...}, as llama_dataset_check returns
-    it); a dataset without one keeps its file.
-    """
-    return [
-        {**entry, "file": checked[entry["name"]]["file"]}
-        if entry["name"] in checked
-        else dict(entry)
-        for entry in datasets
-    ]
-
-
 def unprobed(ranks: Iterable[str], hostvars: Any) -> list[str]:  # noqa: ANN401 - hostvars
     """The GPU nodes whose facts do not list their GPUs yet."""
     return hosts_without_gpu_facts(list(ranks), hostvars)
@@ -246,6 +226,5 @@ class FilterModule:
             "run_config_train_yaml": train_yaml,
             "run_config_dataset_info": dataset_info,
             "run_config_files": run_files,
-            "run_config_resume_point": resume_point,
             "run_config_disk_budget": disk_budget,
         }

@@ -73,38 +73,55 @@ author: llama-cluster
 
 EXAMPLES = r"""
 - name: Check the dataset
-  llama_dataset_check:
+  llama.cluster.llama_dataset_check:
     name: demo_sharegpt
     path: data/demo_sharegpt.json
     formatting: sharegpt
     columns: {messages: conversations}
+
+- name: Train on the valid records of a file with some bad ones
+  llama.cluster.llama_dataset_check:
+    name: mine
+    path: /data/mine.jsonl
+    skip_invalid: true
+    valid_out: /tmp/mine.valid.jsonl
+  register: checked
+# checked.file is the file to train on; checked.invalid_indexes the first records left out
 """
 
 RETURN = r"""
 records:
   description: Records in the file.
   type: int
+  returned: always
 valid:
   description: Records LLaMA-Factory can train on.
   type: int
+  returned: always
 invalid:
   description: Records that are not valid.
   type: int
+  returned: always
 invalid_indexes:
   description: Indexes (from 0) of the first invalid records.
   type: list
+  returned: always
 errors:
-  description: One line per listed invalid record, "record N (line L): problem".
+  description: One line per listed invalid record, C(record N (line L) - problem).
   type: list
+  returned: always
 file:
   description: The file to train on (O(path), or O(valid_out) when records were left out).
   type: str
+  returned: always
 file_format:
   description: json (a list of records) or jsonl (one record per line).
   type: str
+  returned: always
 warnings_text:
   description: Keys the records carry that the entry does not map (LLaMA-Factory ignores them).
   type: list
+  returned: always
 """
 
 CHUNK_BYTES = 1 << 20

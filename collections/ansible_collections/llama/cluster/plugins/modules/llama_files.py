@@ -44,7 +44,7 @@ options:
     default: []
   files:
     description:
-      - Files; each has path, content and optional owner, group, mode, and json (true: the
+      - Files; each has path, content and optional owner, group, mode, and json (true when the
         content must parse as JSON, checked before anything is written).
     type: list
     elements: dict
@@ -62,6 +62,25 @@ options:
     description: The mode of a file (touch or files) that names none.
     type: str
 author: llama-cluster
+"""
+
+EXAMPLES = r"""
+- name: Write a run's directories, its log and its files in one call
+  llama.cluster.llama_files:
+    directories:
+      - path: /opt/llama-cluster/runs/r1
+      - path: /opt/llama-cluster/runs/r1/tmp
+        mode: "0700"
+    touch:
+      - path: /opt/llama-cluster/runs/r1/logs/node1.log
+    files:
+      - path: /opt/llama-cluster/runs/r1/plan.json
+        content: '{"run_id": "r1"}'
+        json: true
+    owner: llama
+    group: llama
+    directory_mode: "0750"
+    file_mode: "0640"
 """
 
 RETURN = r"""

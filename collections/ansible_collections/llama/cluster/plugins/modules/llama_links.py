@@ -67,10 +67,34 @@ options:
     default: 20
   key:
     description:
-      - The check's secret, the same on every node (drawn on the controller for each check):
-        server and client each prove they hold it (HMAC-SHA256 over both sides' nonces) before
+      - The check's secret, the same on every node (drawn on the controller for each check).
+        Server and client each prove they hold it (HMAC-SHA256 over both sides' nonces) before
         anything is measured. Required for serve and measure.
     type: str
+"""
+
+EXAMPLES = r"""
+- name: List this node's interfaces
+  llama.cluster.llama_links:
+    mode: interfaces
+  register: links
+
+- name: Serve two measurements on port 29510 (in the background)
+  llama.cluster.llama_links:
+    mode: serve
+    port: 29510
+    connections: 2
+    key: "{{ links_key }}"
+  async: 120
+  poll: 0
+
+- name: Measure the stream and round trip to a peer
+  llama.cluster.llama_links:
+    mode: measure
+    address: 10.0.0.12
+    port: 29510
+    key: "{{ links_key }}"
+# tcp_gbps: 9.41; rtt_ms: 0.12
 """
 
 RETURN = r"""
@@ -97,8 +121,11 @@ refused:
   returned: mode=serve
 """
 
-SIOCGIFADDR, SIOCGIFNETMASK = 0x8915, 0x891B  # linux/sockios.h
-ARPHRD_ETHER, ARPHRD_INFINIBAND = 1, 32  # linux/if_arp.h
+# One name per line: ansible-doc reads a module's top-level assignments, and not a tuple's.
+SIOCGIFADDR = 0x8915  # linux/sockios.h
+SIOCGIFNETMASK = 0x891B
+ARPHRD_ETHER = 1  # linux/if_arp.h
+ARPHRD_INFINIBAND = 32
 CHUNK = 1 << 16
 # The sender's buffer is capped so that what is still queued when the stream stops drains within
 # a fraction of a second even on a 10 Mbit/s link (the kernel doubles it: 1 MiB in flight).

@@ -14,7 +14,7 @@ short_description: Report how far a model download on this node has got
 description:
   - Reads the JSON status file that llama-model-fetch rewrites every few seconds and returns a
     one-line C(progress), whether the download is C(done), and its numbers. Polled with
-    C(until: result.done), the llama_progress callback prints the line on every retry.
+    C(until) on RV(done), the llama_progress callback prints the line on every retry.
   - Fails (with done true) when the download failed, or when its process is gone (or its
     async job has ended) while the file still says it runs.
 options:
@@ -28,9 +28,21 @@ options:
     required: true
   job_file:
     description:
-      - The results file of the async job that runs the download (its C(results_file)): a job
+      - The results file of the async job that runs the download (its C(results_file)). A job
         that ended before the status file says so (the downloader could not start) fails here.
     type: path
+"""
+
+EXAMPLES = r"""
+- name: Follow the model's download on every node
+  llama.cluster.llama_model_progress:
+    status_file: /opt/llama-cluster/models/.status/qwen.json
+    label: Qwen/Qwen2.5-7B-Instruct
+    job_file: "{{ download.results_file }}"
+  register: progress
+  until: progress.done
+  retries: 720
+  delay: 5
 """
 
 RETURN = r"""

@@ -28,6 +28,14 @@ options:
     required: true
 """
 
+EXAMPLES = r"""
+- name: Find the interface this node reaches the master through
+  llama.cluster.llama_route:
+    address: "{{ hostvars[groups['master'] | first]['cluster_address'] }}"
+  register: route
+# route.ifname: eth1; route.source: 10.0.0.12
+"""
+
 RETURN = r"""
 ifname:
   description: The interface the node reaches O(address) through; empty when none holds the source.

@@ -36,13 +36,13 @@ description:
   - SSH is allowed on every TCP port sshd listens on (C(sshd -T), and the listening sockets of
     sshd processes) plus O(ssh_ports), from O(ssh_sources).
   - Rules whose comment is not in O(purge_comments) are never deleted, and a rule the node already
-    has under another comment (or none) is never added again: ufw would relabel it.
+    has under another comment (or none) is never added again (ufw would relabel it).
   - An inactive ufw stays off and untouched unless O(if_inactive) is enable.
 options:
   rules:
     description:
       - Allow rules; each has port (a port, a list "a,b" or a range "a:b"; empty for every port),
-        proto (tcp, udp; empty for any), sources (a list of "any", addresses or networks: one ufw
+        proto (tcp, udp; empty for any), sources (a list of "any", addresses or networks, one ufw
         rule each) and comment.
     type: list
     elements: dict
@@ -110,6 +110,24 @@ options:
 author: llama-cluster
 """
 
+EXAMPLES = r"""
+- name: Allow SSH and the cluster's nodes, drop the rules of nodes that left, enable ufw
+  llama.cluster.llama_ufw:
+    rules:
+      - sources: [10.0.0.11, 10.0.0.12]
+        comment: llama-cluster nodes
+    ssh_sources: [any]
+    ssh_ports: [22]
+    purge_comments: [llama-cluster nodes, llama-cluster ssh]
+    state: enabled
+    rollback_dir: /var/lib/llama-cluster/ufw
+
+- name: Put back the state saved before the last change
+  llama.cluster.llama_ufw:
+    state: rolled_back
+    rollback_dir: /var/lib/llama-cluster/ufw
+"""
+
 RETURN = r"""
 commands:
   description: The ufw commands run (or, in check mode, that would run).
@@ -133,7 +151,7 @@ left_inactive:
   returned: always
 kept:
   description: The node's own rules (another comment, or none) that already let through what a
-    rule asked for: left as they are, under their own comment.
+    rule asked for, left as they are under their own comment.
   type: list
   returned: always
 unruled:

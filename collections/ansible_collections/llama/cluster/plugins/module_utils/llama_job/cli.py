@@ -1,6 +1,6 @@
 """llama-job's command line: the supervisor of llama-cluster's distributed jobs on one node.
 
-One contract for every playbook and the runner, whether or not systemd runs the node:
+One contract for every playbook and the agent, whether or not systemd runs the node:
 
     llama-job start  --spec FILE --user U --group G [--supervisor auto|systemd|process]
     llama-job stop   --job ID [--timeout S]
@@ -14,11 +14,11 @@ One contract for every playbook and the runner, whether or not systemd runs the 
 Every verb prints one JSON document on stdout (the shapes are in roles/job/README.md) and
 exits 0, or 2 for a refused request (with {"error": ...}).
 
-`start` (root) launches a runner, `llama-job run`, as the job's user (launchers.py). The runner
-starts the job's command in its own process group and keeps a heartbeat with the runners of
-the other nodes (a star around the master's runner, over authenticated TCP on the watchdog
+`start` (root) launches an agent, `llama-job run`, as the job's user (launchers.py). The agent
+starts the job's command in its own process group and keeps a heartbeat with the agents of
+the other nodes (a star around the master's agent, over authenticated TCP on the watchdog
 port: link.py): whatever ends one node's command, a node that stops answering, or a run that
-stops making progress, ends the command on every node, and the master's runner records why
+stops making progress, ends the command on every node, and the master's agent records why
 (master.py, worker.py). With restarts allowed it starts the command again on every node once
 every node is back.
 """
@@ -30,27 +30,27 @@ import sys
 from collections.abc import Callable
 
 from . import control
-from .master import MasterRunner
+from .master import MasterAgent
 from .spec import Refused, load_spec
-from .worker import WorkerRunner
+from .worker import WorkerAgent
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """`run --spec FILE`: this node's runner (what the unit runs, as the job's user)."""
+    """`run --spec FILE`: this node's agent (what the unit runs, as the job's user)."""
     spec = load_spec(args.spec, require_root=False)
-    return (MasterRunner(spec) if spec.is_master else WorkerRunner(spec)).run()
+    return (MasterAgent(spec) if spec.is_master else WorkerAgent(spec)).run()
 
 
 def parser() -> argparse.ArgumentParser:
     """The command line."""
     top = argparse.ArgumentParser(prog="llama-job", description=__doc__.splitlines()[0])
     sub = top.add_subparsers(dest="verb", required=True)
-    start = sub.add_parser("start", help="launch this node's runner of a job (root)")
+    start = sub.add_parser("start", help="launch this node's agent of a job (root)")
     start.add_argument("--spec", required=True)
     start.add_argument("--user", required=True)
     start.add_argument("--group", default="")
     start.add_argument("--supervisor", choices=["auto", "systemd", "process"], default="auto")
-    run = sub.add_parser("run", help="this node's runner (what the unit runs)")
+    run = sub.add_parser("run", help="this node's agent (what the unit runs)")
     run.add_argument("--spec", required=True)
     stop = sub.add_parser("stop", help="stop this node's part of a job (root)")
     stop.add_argument("--job", required=True)

@@ -1,8 +1,8 @@
-"""The mechanism under a runner: this node's command, one attempt at a time.
+"""The mechanism under an agent: this node's command, one attempt at a time.
 
 Starts it in a process group of its own, ends it (SIGTERM, SIGKILL after the stop timeout, and
 nothing of an attempt outlives it), watches its output for an engine's give-up line, and says
-what it ran out of when it died of memory. The runner decides what an end means.
+what it ran out of when it died of memory. The agent decides what an end means.
 """
 
 from __future__ import annotations
@@ -139,10 +139,10 @@ class Command:
         self.signal_tree(signal.SIGKILL)
 
     def processes(self) -> list[int]:
-        """The job's processes on this node: the runner's session (it leads one under both
+        """The job's processes on this node: the agent's session (it leads one under both
         supervisors), or only the command's process group when started by hand; and everything
-        the runner started, whatever session it moved to (torch's elastic agent starts every
-        rank in a session of its own; the runner is their subreaper once their parent dies)."""
+        the agent started, whatever session it moved to (torch's elastic agent starts every
+        rank in a session of its own; the agent is their subreaper once their parent dies)."""
         me = os.getpid()
         if os.getsid(0) == me:
             members = [pid for pid in session_members(me, os.getuid()) if pid != me]

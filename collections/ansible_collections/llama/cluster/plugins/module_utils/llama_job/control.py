@@ -59,39 +59,44 @@ def read_records(job: str | None = None) -> list[dict[str, Any]]:
     return found
 
 
-def runner_alive(record: dict[str, Any]) -> bool:
-    """Whether the runner of a record still runs."""
+def agent_alive(record: dict[str, Any]) -> bool:
+    """Whether the agent of a record still runs."""
     return launcher(record["supervisor"]).alive(record)
 
 
 def leftovers(record: dict[str, Any]) -> list[int]:
-    """Processes of the job that outlived its runner."""
+    """Processes of the job that outlived its agent."""
     return launcher(record["supervisor"]).leftovers(record)
 
 
-def rank_status(record: dict[str, Any]) -> dict[str, Any]:
+def rank_status(record: dict[str, Any]) -> protocol.RankStatus:
     """What one node's part of a job is doing (protocol.rank_status, from the files here)."""
-    alive = runner_alive(record)
+    alive = agent_alive(record)
     left = [] if alive else leftovers(record)
     owners = (0, int(record["uid"]))
     state = read_json_untrusted(record["state"], owners)
     if state.get("job") != record["job"] or state.get("started_s", 0) < record.get("started_s", 0):
         state = {}  # an earlier launch's state, or none yet
-    lost = not alive and not protocol.is_terminal(state.get("phase"))
+    lost = not alive and not protocol.Phase.of(state.get("phase")).is_terminal()
     errors = first_error_lines(tail_untrusted(record["log"], owners)) if lost else []
     return protocol.rank_status(record, state, alive, left, errors)
 
 
-def job_status(job: str) -> dict[str, Any]:
+def job_ranks(job: str) -> list[protocol.RankStatus]:
     """Every rank of a job on this node."""
-    ranks = [rank_status(r) for r in read_records(job)]
-    return {"job": job, "found": bool(ranks), "ranks": ranks}
+    return [rank_status(r) for r in read_records(job)]
+
+
+def status_document(job: str, ranks: list[protocol.RankStatus]) -> dict[str, Any]:
+    """What `status` prints: the job's ranks on this node, each as the protocol's JSON."""
+    return {"job": job, "found": bool(ranks), "ranks": [r.to_dict() for r in ranks]}
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     """`status --job ID`."""
     need_root()
-    emit(job_status(check_name("job", args.job)))
+    job = check_name("job", args.job)
+    emit(status_document(job, job_ranks(job)))
     return 0
 
 
@@ -99,9 +104,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     """`list [--active]`."""
     need_root()
     jobs = [rank_status(r) for r in read_records()]
-    if args.active:
-        jobs = [j for j in jobs if j["active"]]
-    emit({"jobs": jobs})
+    emit({"jobs": [j.to_dict() for j in jobs if j.active or not args.active]})
     return 0
 
 
@@ -142,7 +145,7 @@ def _account(user: str, group: str) -> tuple[pwd.struct_passwd, int]:
 
 def _refuse_busy(spec: JobSpec) -> None:
     old = read_json_untrusted(record_path(spec.job, spec.host), (0,))
-    if old and (runner_alive(old) or leftovers(old)):
+    if old and (agent_alive(old) or leftovers(old)):
         raise Refused(f"job {spec.job} already runs on {spec.host} ({old['unit']}): stop it first")
     busy = busy_ports(list(spec.ports))
     if busy:
@@ -179,12 +182,12 @@ def new_record(
 
 
 def self_path() -> str:
-    """This program's file (the zipapp), which the runner is started from."""
+    """This program's file (the zipapp), which the agent is started from."""
     return os.path.realpath(sys.argv[0])
 
 
 def cmd_start(args: argparse.Namespace) -> int:
-    """`start`: launch this node's runner of a job."""
+    """`start`: launch this node's agent of a job."""
     need_root()
     spec = load_spec(args.spec, require_root=True)
     entry, gid = _account(args.user, args.group)
@@ -196,7 +199,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     record = new_record(spec, args, entry, gid, chosen.name)
     argv = [sys.executable, self_path(), "run", "--spec", record["spec"]]
     chosen.launch(record, record_path(spec.job, spec.host), spec, argv)
-    started = wait_for_runner(record)
+    started = wait_for_agent(record)
     emit(
         {
             "job": spec.job,
@@ -212,12 +215,12 @@ def cmd_start(args: argparse.Namespace) -> int:
 
 def rejoin_refusal(record: dict[str, Any], now: float) -> str:
     """Why a node's part of a job is not started again at boot ("" when it is): only a worker's
-    whose runner died without ending it (the node lost power, was killed or rebooted), not
+    whose agent died without ending it (the node lost power, was killed or rebooted), not
     stopped, with a restart left, within the window in which its master waits for it."""
     state = read_json_untrusted(record["state"], (0, int(record["uid"])))
-    if runner_alive(record) or record.get("stop_requested"):
-        return "its runner runs, or it was stopped"
-    if state.get("job") != record["job"] or protocol.is_terminal(state.get("phase")):
+    if agent_alive(record) or record.get("stop_requested"):
+        return "its agent runs, or it was stopped"
+    if state.get("job") != record["job"] or protocol.Phase.of(state.get("phase")).is_terminal():
         return "it ended"
     spec = load_spec(record["spec"], require_root=True)
     try:
@@ -262,7 +265,7 @@ def cmd_rejoin(_args: argparse.Namespace) -> int:
                 launcher(record["supervisor"]).launch(
                     again, record_path(spec.job, spec.host), spec, argv
                 )
-                rejoined.append({"job": spec.job, "host": spec.host, **wait_for_runner(again)})
+                rejoined.append({"job": spec.job, "host": spec.host, **wait_for_agent(again)})
                 continue
         except (Refused, KeyError, OSError, ValueError) as err:
             why = str(err)
@@ -271,38 +274,37 @@ def cmd_rejoin(_args: argparse.Namespace) -> int:
     return 0
 
 
-def wait_for_runner(record: dict[str, Any], timeout: float = 15.0) -> dict[str, Any]:
-    """Return once the runner has written its state; refuse with its log if it died first."""
+def wait_for_agent(record: dict[str, Any], timeout: float = 15.0) -> dict[str, Any]:
+    """Return once the agent has written its state; refuse with its log if it died first."""
     started = time.monotonic()
     while time.monotonic() < started + timeout:
         state = read_json_untrusted(record["state"], (0, int(record["uid"])))
         if state.get("job") == record["job"] and state.get("started_s", 0) >= record["started_s"]:
             return {"phase": state.get("phase"), "pid": state.get("pid")}
-        if time.monotonic() > started + 1 and not runner_alive(record):
+        if time.monotonic() > started + 1 and not agent_alive(record):
             words = launcher(record["supervisor"]).last_words(record)
             raise Refused(
-                f"the runner of {record['job']} on {record['host']} ended at once: "
+                f"the agent of {record['job']} on {record['host']} ended at once: "
                 + " | ".join(words.strip().splitlines()[-8:])
             )
         time.sleep(0.1)
-    return {"phase": "starting", "pid": None}
+    return {"phase": protocol.Phase.STARTING.value, "pid": None}
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    """`stop --job ID`: end this node's part of a job (the runner tells its peers)."""
+    """`stop --job ID`: end this node's part of a job (the agent tells its peers)."""
     need_root()
     job = check_name("job", args.job)
     stopped = []
     for record in read_records(job):
-        was_active = runner_alive(record) or bool(leftovers(record))
+        was_active = agent_alive(record) or bool(leftovers(record))
         if was_active:
             record["stop_requested"] = True
             write_json(record_path(record["job"], record["host"]), record, 0o600)
             stopped.append(record["host"])
         if was_active or record["supervisor"] == "process":
             launcher(record["supervisor"]).stop(record, args.timeout)
-    status = job_status(job)
-    emit({"job": job, "stopped": stopped, "ranks": status["ranks"]})
+    emit({**status_document(job, job_ranks(job)), "stopped": stopped})
     return 0
 
 
@@ -312,17 +314,13 @@ def cmd_wait(args: argparse.Namespace) -> int:
     job = check_name("job", args.job)
     deadline = time.monotonic() + args.timeout
     while True:
-        status = job_status(job)
-        ranks = status["ranks"]
-        ended = bool(ranks) and all(
-            protocol.is_terminal(r["phase"]) and not r["active"] for r in ranks
-        )
+        ranks = job_ranks(job)
+        ended = bool(ranks) and all(r.phase.is_terminal() and not r.active for r in ranks)
         running = ended or any(
-            r["phase"] == protocol.Phase.RUNNING.value or protocol.is_terminal(r["phase"])
-            for r in ranks
+            r.phase is protocol.Phase.RUNNING or r.phase.is_terminal() for r in ranks
         )
         reached = ended if args.until == "ended" else running
         if reached or time.monotonic() >= deadline:
-            emit({**status, "reached": reached, "ended": ended})
+            emit({**status_document(job, ranks), "reached": reached, "ended": ended})
             return 0
         time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))

@@ -1,4 +1,4 @@
-"""The two ways root starts a node's runner, behind one interface: a systemd transient unit
+"""The two ways root starts a node's agent, behind one interface: a systemd transient unit
 where systemd runs the node, else a session of its own. Both apply the job's resource limits,
 run it as the job's user, and tell whether it still runs and what outlived it."""
 
@@ -50,7 +50,7 @@ def apply_limits(limits: dict[str, Any]) -> dict[str, str]:
 
 
 def current_limits() -> dict[str, str]:
-    """This process's soft limits, as the runner reports them."""
+    """This process's soft limits, as the agent reports them."""
     found = {}
     for name, (which, _) in LIMITS.items():
         soft = resource.getrlimit(which)[0]
@@ -80,32 +80,32 @@ def unit_properties(unit: str) -> dict[str, str]:
 
 
 class Launcher:
-    """How a node's runner is started, watched and ended (one per supervisor)."""
+    """How a node's agent is started, watched and ended (one per supervisor)."""
 
     name = ""
 
     def launch(self, record: dict[str, Any], path: Path, spec: JobSpec, argv: list[str]) -> None:
-        """Start the runner `argv` as the job's user; record what identifies it (written)."""
+        """Start the agent `argv` as the job's user; record what identifies it (written)."""
         raise NotImplementedError
 
     def running(self, record: dict[str, Any]) -> bool:
-        """Whether the runner of this boot's record still runs."""
+        """Whether the agent of this boot's record still runs."""
         raise NotImplementedError
 
     def alive(self, record: dict[str, Any]) -> bool:
-        """Whether the runner of a record still runs (checked against what root recorded)."""
+        """Whether the agent of a record still runs (checked against what root recorded)."""
         return record.get("boot_id") == boot_id() and self.running(record)
 
     def leftovers(self, record: dict[str, Any]) -> list[int]:
-        """Processes of the job that outlived its runner."""
+        """Processes of the job that outlived its agent."""
         return []
 
     def stop(self, record: dict[str, Any], timeout: float) -> None:
-        """End the runner (it ends its command and tells its peers), then anything left."""
+        """End the agent (it ends its command and tells its peers), then anything left."""
         raise NotImplementedError
 
     def last_words(self, record: dict[str, Any]) -> str:
-        """What the runner said before it died (its log's end)."""
+        """What the agent said before it died (its log's end)."""
         return tail_untrusted(record["log"], (0, int(record["uid"])), 4000)
 
 
@@ -185,7 +185,7 @@ class OwnSession(Launcher):
         return session_members(int(record["sid"]), int(record["uid"]), int(record["pid_start"]))
 
     def signal(self, record: dict[str, Any], sig: int) -> bool:
-        """Signal the runner after checking it is the one root started."""
+        """Signal the agent after checking it is the one root started."""
         if not self.alive(record):
             return False
         with contextlib.suppress(ProcessLookupError):
@@ -215,7 +215,7 @@ def launcher(name: str) -> Launcher:
 
 
 def _child_setup(entry: pwd.struct_passwd, gid: int, spec: JobSpec, ready_write: int) -> None:
-    os.setsid()  # the runner leads a session: stop finds every process it started
+    os.setsid()  # the agent leads a session: stop finds every process it started
     apply_limits(spec.limits)
     os.initgroups(entry.pw_name, gid)
     os.setgid(gid)
@@ -223,7 +223,7 @@ def _child_setup(entry: pwd.struct_passwd, gid: int, spec: JobSpec, ready_write:
     os.chdir(spec.cwd)
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
-    try:  # the runner's own errors go to the node's log, opened as the job's user
+    try:  # the agent's own errors go to the node's log, opened as the job's user
         log = os.open(spec.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o640)
     except OSError:
         log = null
@@ -234,7 +234,7 @@ def _child_setup(entry: pwd.struct_passwd, gid: int, spec: JobSpec, ready_write:
 
 
 def spawn_session(argv: list[str], entry: pwd.struct_passwd, gid: int, spec: JobSpec) -> int:
-    """Start the runner in a session of its own, as the job's user, with the job's limits."""
+    """Start the agent in a session of its own, as the job's user, with the job's limits."""
     ready_read, ready_write = os.pipe()
     pid = os.fork()
     if pid:

@@ -37,7 +37,7 @@ def first_error_lines(text: str, limit: int = 12) -> list[str]:
 
 
 # How a launcher reports the exit status of the process that failed (torchrun's ChildFailedError
-# summary: "exitcode : -9", and its agent's "failed (exitcode: -9)"); negative is a signal.
+# summary: "exitcode : -9", and its elastic agent's "failed (exitcode: -9)"); negative is a signal.
 REPORTED_EXIT = re.compile(r"\bexitcode\s*:\s*(-?\d+)")
 
 

@@ -1,7 +1,8 @@
-"""The master's runner: coordinates the job. Starts rank 0's command, opens the gate once it
+"""The master's agent: coordinates the job. Starts rank 0's command, opens the gate once it
 listens and every peer has joined, watches the peers' heartbeats and rank 0's progress, ends
 the attempt on every node at the first failure, names the node that explains it, and restarts
-from the last checkpoint while restarts are left."""
+from the last checkpoint while restarts are left. A resumed run (the spec's `resume`) takes
+the same way in: the checkpoint every node holds first (`continue_run`), then its attempt."""
 
 from __future__ import annotations
 
@@ -9,22 +10,22 @@ import errno
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from .checkpoints import listing, restart_point
+from .agent import NodeAgent
+from .checkpoints import continue_plan, listing, restart_stamp, resume_stamp
 from .command import Ended
 from .link import Hub, Link
 from .logs import is_peer_symptom, last_record, stall_limit
 from .procs import listening_inodes, socket_owners
-from .protocol import RESTARTABLE, Kind, Phase, describe_exit, iso
-from .runner import NodeRunner
+from .protocol import Failure, FailureKind, Kind, Phase, Restart, describe_exit, iso
 from .untrusted import file_size
 
 REFUSALS_EVERY = 10.0  # seconds between the log's lines on refused connections
 
 
-def choose_culprit(candidates: list[dict[str, Any]]) -> dict[str, Any] | None:
+def choose_culprit(candidates: list[Failure]) -> Failure | None:
     """The failure that explains the others.
 
     A request to stop wins; then a node whose failure is its own (not a lost connection to a
@@ -32,25 +33,21 @@ def choose_culprit(candidates: list[dict[str, Any]]) -> dict[str, Any] | None:
     """
     if not candidates:
         return None
+    own = (FailureKind.EXITED, FailureKind.START)
+    gone = (FailureKind.VANISHED, FailureKind.STALLED, FailureKind.LOST)
 
-    def key(item: dict[str, Any]) -> tuple[int, float]:
-        kind = item.get("kind")
-        if kind == "stopped":
+    def key(item: Failure) -> tuple[int, float]:
+        if item.kind is FailureKind.STOPPED:
             rank = 0
-        elif kind in ("exited", "start") and not is_peer_symptom(item.get("errors") or []):
+        elif item.kind in own and not is_peer_symptom(list(item.errors)):
             rank = 1
-        elif kind in ("vanished", "stalled", "lost"):
+        elif item.kind in gone:
             rank = 2
         else:
             rank = 3
-        return rank, float(item.get("at_s") or 0)
+        return rank, float(item.at_s or 0)
 
     return sorted(candidates, key=key)[0]
-
-
-def restartable(reason: dict[str, Any]) -> bool:
-    """Whether a failure may be healed by starting again from the last checkpoint."""
-    return reason.get("kind") in RESTARTABLE
 
 
 @dataclass
@@ -59,7 +56,7 @@ class Peer:
 
     link: Link | None = None
     seen: float | None = None
-    phase: str = "absent"
+    phase: Phase = Phase.ABSENT
     done: bool = False
     reported: int = 0
     stopped_procs: bool = False
@@ -67,7 +64,7 @@ class Peer:
 
     @property
     def joined(self) -> bool:
-        """Whether its runner is connected (and authenticated)."""
+        """Whether its agent is connected (and authenticated)."""
         return self.link is not None
 
 
@@ -81,7 +78,7 @@ class Progress:
     intervals: list[float] | None = None
 
 
-class MasterRunner(NodeRunner):
+class MasterAgent(NodeAgent):
     """Coordinates the job: start, gate, watch, abort, restart, finish."""
 
     def __init__(self, spec: Any) -> None:  # noqa: ANN401 - a JobSpec
@@ -89,18 +86,20 @@ class MasterRunner(NodeRunner):
         self.peers = {host: Peer() for host in spec.peers}
         self.server: socket.socket | None = None
         self.hub: Hub | None = None
-        self.candidates: list[dict[str, Any]] = []
+        self.candidates: list[Failure] = []
         self.abort_started: float | None = None
         self.local_done_at: float | None = None
         self.gate_open = False
         self.watch = Progress()
         self.last_beat = 0.0
         self.last_refusals = time.monotonic()
+        # A resumed run: every node's checkpoints are gathered before its first attempt starts.
+        self.gathering = False
 
     def peers_state(self, now: float) -> dict[str, Any]:
         return {
             host: {
-                "phase": peer.phase,
+                "phase": peer.phase.value,
                 "connected": bool(peer.link and not peer.link.closed),
                 "silent_s": None if peer.seen is None else round(now - peer.seen, 1),
             }
@@ -115,11 +114,17 @@ class MasterRunner(NodeRunner):
                 return False
             self.hub = Hub(self.server, self.spec.key, self.spec.job, len(self.peers))
             self.hub.start(self.events)
-        self.begin_attempt()
+        if self.spec.resume:
+            self.gathering = True
+            self.say("a resumed run: waiting for every node's checkpoints")
+            self.set_phase(Phase.STARTING)
+        else:
+            self.begin_attempt()
         return True
 
     def finish(self) -> None:
-        self.broadcast({"t": Kind.FINAL.value, "phase": self.phase.value, "reason": self.reason})
+        reason = self.reason.to_dict() if self.reason else None
+        self.broadcast({"t": Kind.FINAL.value, "phase": self.phase.value, "reason": reason})
         if self.server is not None:
             time.sleep(0.5)  # let the final message reach the peers before the sockets close
             self.server.close()
@@ -137,7 +142,7 @@ class MasterRunner(NodeRunner):
             except OSError as err:
                 if err.errno != errno.EADDRNOTAVAIL or host == "":
                     why = f"the watchdog cannot listen on port {port}: {err}"
-                    self.reason = self.reason_for("start", why)
+                    self.reason = self.failure(FailureKind.START, why)
                     self.set_phase(Phase.FAILED)
                     return None
         server.listen(64)
@@ -158,7 +163,7 @@ class MasterRunner(NodeRunner):
             if host in self.peers and self.peers[host].link is link:
                 self.peers[host].link = None
                 self.peer_gone(
-                    host, "its runner closed the connection (the node or its llama-job ended)"
+                    host, "its agent closed the connection (the node or its llama-job ended)"
                 )
         elif data is not None and link is not None:
             self.on_message(link, data)
@@ -168,7 +173,9 @@ class MasterRunner(NodeRunner):
         if not self.stop_requested:
             self.stop_requested = True
             self.say("stop requested")
-            self.add_candidate(self.reason_for("stopped", "stopped on request (llama-job stop)"))
+            self.add_candidate(
+                self.failure(FailureKind.STOPPED, "stopped on request (llama-job stop)")
+            )
 
     def on_message(self, link: Link, data: dict[str, Any]) -> None:
         """A verified message of a peer."""
@@ -185,16 +192,16 @@ class MasterRunner(NodeRunner):
         if isinstance(listed, list) and all(isinstance(e, dict) for e in listed):
             peer.checkpoints = listed
         if kind == Kind.BEAT.value:
-            peer.phase = str(data.get("phase", peer.phase))
+            peer.phase = Phase.of(data.get("phase"), peer.phase)
             peer.stopped_procs = bool(data.get("stopped_procs"))
         elif kind == Kind.EXIT.value:
             self.peer_exit(host, peer, data)
         elif kind == Kind.IDLE.value:
-            peer.phase = Phase.IDLE.value
+            peer.phase = Phase.IDLE
             peer.reported = int(data.get("attempt") or 0)
 
     def peer_hello(self, link: Link, data: dict[str, Any]) -> None:
-        """A node's runner joined (or joined again after a freeze): check it, note it."""
+        """A node's agent joined (or joined again after a freeze): check it, note it."""
         host = data.get("host")
         if host not in self.peers:
             link.send({"t": Kind.REFUSED.value, "why": f"{host!r} is not a node of this job"})
@@ -206,8 +213,8 @@ class MasterRunner(NodeRunner):
             peer.link.close()
         link.host = host
         peer.link, peer.seen = link, time.monotonic()
-        peer.phase = str(data.get("phase", Phase.WAITING.value))
-        self.say(f"{host} joined (its phase: {peer.phase})")
+        peer.phase = Phase.of(data.get("phase"), Phase.WAITING)
+        self.say(f"{host} joined (its phase: {peer.phase.value})")
         link.send(
             {
                 "t": Kind.WELCOME.value,
@@ -221,37 +228,39 @@ class MasterRunner(NodeRunner):
         """A peer's command ended: done, ended on request, or a failure."""
         peer.reported = int(data.get("attempt") or 0)
         code = data.get("exit_status")
+        code = code if isinstance(code, int) and not isinstance(code, bool) else None
         if data.get("attempt") != self.attempt or data.get("aborted"):
-            peer.phase = Phase.IDLE.value  # an earlier attempt, or ended because this master asked
+            peer.phase = Phase.IDLE  # an earlier attempt, or ended because this master asked
             return
         if code == 0 and not data.get("stopped"):
-            peer.phase, peer.done = Phase.DONE.value, True
+            peer.phase, peer.done = Phase.DONE, True
             self.say(f"{host}: its command ended, exit status 0")
             return
-        peer.phase = Phase.IDLE.value
+        peer.phase = Phase.IDLE
         cause = data.get("cause") if isinstance(data.get("cause"), dict) else None
         message = str(data.get("message") or f"its command ended, {describe_exit(code)}")
-        reason = self.reason_for(
-            "stopped" if data.get("stopped") else str(data.get("kind") or "exited"),
+        kind = FailureKind.STOPPED if data.get("stopped") else FailureKind.of(data.get("kind"))
+        reason = self.failure(
+            kind,
             self.explained(message, cause, node=host),
             node=host,
-            rank=data.get("rank"),
+            rank=data.get("rank") if isinstance(data.get("rank"), int) else None,
             exit_status=code,
-            errors=data.get("errors") or [],
+            errors=tuple(str(e) for e in data.get("errors") or []),
             cause=cause,
         )
         if isinstance(data.get("at_s"), int | float):
-            reason["at_s"] = data["at_s"]
+            reason = replace(reason, at_s=float(data["at_s"]))
         self.add_candidate(reason)
 
     def peer_gone(self, host: str, why: str) -> None:
         """A peer vanished: a failure while the job runs."""
-        self.peers[host].phase = "absent"
+        self.peers[host].phase = Phase.ABSENT
         self.say(f"{host}: {why}")
         if self.phase in (Phase.STARTING, Phase.RUNNING):
-            self.add_candidate(self.reason_for("vanished", why, node=host))
+            self.add_candidate(self.failure(FailureKind.VANISHED, why, node=host))
 
-    def add_candidate(self, reason: dict[str, Any]) -> None:
+    def add_candidate(self, reason: Failure) -> None:
         """A failure: end this attempt on every node (once), and keep it for the verdict."""
         self.candidates.append(reason)
         if self.abort_started is None and self.phase in (
@@ -267,11 +276,10 @@ class MasterRunner(NodeRunner):
         for peer in self.peers.values():
             peer.checkpoints = None  # a restart needs what each holds once its command ended
         first = self.candidates[-1]
-        self.say(
-            f"ending attempt {self.attempt} on every node: {first['node']}: {first['message']}"
-        )
-        self.broadcast({"t": Kind.ABORT.value, "attempt": self.attempt, "reason": first})
-        self.command.end(f"{first['node']}: {first['message']}")
+        self.say(f"ending attempt {self.attempt} on every node: {first.node}: {first.message}")
+        message = {"t": Kind.ABORT.value, "attempt": self.attempt, "reason": first.to_dict()}
+        self.broadcast(message)
+        self.command.end(f"{first.node}: {first.message}")
         self.set_phase(Phase.STOPPING)
 
     # -- the local command ------------------------------------------------------------------
@@ -290,11 +298,11 @@ class MasterRunner(NodeRunner):
         if self.phase is Phase.STARTING and not self.gate_open:
             message += f" before it listened on port {self.spec.gate_port}"
         self.add_candidate(
-            self.reason_for(
-                "exited",
+            self.failure(
+                FailureKind.EXITED,
                 self.explained(message, ended.cause),
                 exit_status=ended.code,
-                errors=ended.errors,
+                errors=tuple(ended.errors),
                 cause=ended.cause,
             )
         )
@@ -308,6 +316,7 @@ class MasterRunner(NodeRunner):
         for peer in self.peers.values():
             peer.done = False
         self.set_phase(Phase.STARTING)
+        self.phase_since = time.monotonic()  # the start timeout counts from here
         failed = self.start_command()
         if failed is not None:
             self.on_command(failed)
@@ -355,7 +364,11 @@ class MasterRunner(NodeRunner):
             self.say(f"the watchdog port refused {sum(refused.values())} messages: {said}")
 
     def tick_starting(self, now: float) -> None:
-        """The gate opens once rank 0 listens; the attempt runs once every peer has joined."""
+        """The gate opens once rank 0 listens; the attempt runs once every peer has joined (a
+        resumed run: once every node has said which checkpoints it holds)."""
+        if self.gathering:
+            self.gather(now, self.t.start)
+            return
         if not self.gate_open and self.command.running() and self.gate_passed():
             self.gate_open = True
             self.say(f"rank 0 listens on port {self.spec.gate_port}")
@@ -369,12 +382,12 @@ class MasterRunner(NodeRunner):
             return
         if not self.gate_open:
             why = f"rank 0 did not listen on port {self.spec.gate_port} within {self.t.start:.0f} s"
-            self.add_candidate(self.reason_for("start", why))
+            self.add_candidate(self.failure(FailureKind.START, why))
             return
         for host in missing:
             self.add_candidate(
-                self.reason_for(
-                    "start",
+                self.failure(
+                    FailureKind.START,
                     f"never joined the watchdog on {self.spec.master.address}:"
                     f"{self.spec.watchdog_port} within {self.t.start:.0f} s "
                     "(is llama-job running there, and does the firewall let it through?)",
@@ -399,8 +412,8 @@ class MasterRunner(NodeRunner):
             frozen.insert(0, self.host)
         what = "first progress record" if not self.watch.seen_any else "new step"
         self.add_candidate(
-            self.reason_for(
-                "stalled",
+            self.failure(
+                FailureKind.STALLED,
                 f"no {what} in {os.path.basename(self.spec.progress_file)} for "
                 f"{silent:.0f} s (limit {limit:.0f} s)"
                 + (f"; stopped processes on {', '.join(frozen)}" if frozen else ""),
@@ -418,7 +431,7 @@ class MasterRunner(NodeRunner):
         if waited > self.t.stall_floor:
             late = [h for h, p in self.peers.items() if not p.done]
             why = f"still running {waited:.0f} s after rank 0 finished"
-            self.add_candidate(self.reason_for("stalled", why, node=late[0]))
+            self.add_candidate(self.failure(FailureKind.STALLED, why, node=late[0]))
 
     def read_progress(self, now: float) -> None:
         """Follow rank 0's trainer log: progress for status, and the stall clock."""
@@ -443,7 +456,7 @@ class MasterRunner(NodeRunner):
         since = now - (self.abort_started or now)
         if self.command.running() or since < self.t.settle:
             return
-        ended = (Phase.IDLE.value, Phase.DONE.value, "absent")
+        ended = (Phase.IDLE, Phase.DONE, Phase.ABSENT)
         waiting = [h for h, p in self.peers.items() if p.joined and p.phase not in ended]
         overdue = since > self.t.stop + self.t.peer
         if waiting and not overdue:
@@ -452,91 +465,101 @@ class MasterRunner(NodeRunner):
             self.peer_gone(
                 host, f"did not end its command within {self.t.stop + self.t.peer:.0f} s"
             )
-        self.decide(choose_culprit(self.candidates) or self.reason_for("exited", "failed"))
+        self.decide(choose_culprit(self.candidates) or self.failure(FailureKind.EXITED, "failed"))
 
-    def decide(self, verdict: dict[str, Any]) -> None:
+    def decide(self, verdict: Failure) -> None:
         """After an abort: stopped, a restart, or failed."""
-        self.reason, self.abort_started = verdict, None
-        if self.stop_requested or verdict["kind"] == "stopped":
+        self.abort_started = None
+        if self.stop_requested or verdict.kind is FailureKind.STOPPED:
+            self.reason = verdict
             self.say("stopped on every node")
             self.set_phase(Phase.STOPPED)
             return
         used, allowed = len(self.restarts), self.spec.max_restarts
-        if restartable(verdict) and used < allowed:
+        if verdict.kind.restartable() and used < allowed:
+            self.reason = verdict
             self.say(
-                f"attempt {self.attempt} failed ({verdict['node']}: {verdict['message']}); "
+                f"attempt {self.attempt} failed ({verdict.node}: {verdict.message}); "
                 f"restart {used + 1} of {allowed} once every node is back"
             )
             self.set_phase(Phase.RESTARTING)
             return
-        if restartable(verdict) and allowed:
-            verdict["message"] += f" (no restart left: {used} of {allowed} used)"
-        self.say(f"failed: {verdict['node']}: {verdict['message']}")
+        if verdict.kind.restartable() and allowed:
+            verdict = verdict.said(f" (no restart left: {used} of {allowed} used)")
+        self.reason = verdict
+        self.say(f"failed: {verdict.node}: {verdict.message}")
         self.set_phase(Phase.FAILED)
 
-    def restart_plan(self) -> dict[str, Any]:
-        """The checkpoint every node resumes from (checkpoints.restart_point over what each
-        holds), the newer ones each sets aside; ok False, with why, when none is common."""
-        if not self.spec.checkpoints_dir:
-            return {"ok": True, "checkpoint": None, "set_aside": {}, "message": ""}
-        found = {self.host: listing(self.spec.checkpoints_dir)}
-        found.update({host: peer.checkpoints or [] for host, peer in self.peers.items()})
-        point = restart_point(
-            found, self.spec.job, self.spec.checkpoints_dir, self.attempt + 1, self.spec.sharded
-        )
-        if point["none"]:  # nothing complete anywhere: from the beginning, cut-off ones aside
-            cut = {
-                h: [f"checkpoint-{s}" for s in steps] for h, steps in point["incomplete"].items()
-            }
-            message = "no node holds a complete checkpoint: from the beginning"
-            return {"ok": True, "checkpoint": None, "set_aside": cut, "message": message}
-        keys = ("ok", "checkpoint", "set_aside", "message")
-        return {key: point[key] for key in keys}
-
-    def restart(self) -> None:
-        """Every node is back: the next attempt, from the checkpoint they all hold."""
-        assert self.reason is not None
-        plan = self.restart_plan()
-        if not plan["ok"]:
-            message = f"{self.reason['message']}; no restart: {plan['message']}"
-            self.reason = {**self.reason, "message": message}
-            self.say(f"failed: {plan['message']}")
-            self.set_phase(Phase.FAILED)
-            return
-        self.attempt += 1
-        self.restarts.append(
-            {
-                "attempt": self.attempt,
-                "at": iso(time.time()),
-                "after": self.reason,
-                "checkpoint": plan["checkpoint"],
-            }
-        )
-        budget = self.spec.max_restarts
-        self.say(f"restart {len(self.restarts)} of {budget}: attempt {self.attempt}")
-        if plan["message"]:
-            self.say(plan["message"])
-        message = {"t": Kind.RESTART.value, "attempt": self.attempt, "after": self.reason}
-        self.broadcast({**message, "plan": plan})
-        self.prepare_restart(self.attempt, plan)
-        self.begin_attempt()
-
+    # -- continuing from a checkpoint: a restart, or a resumed run's first attempt ------------
     def tick_restarting(self, now: float) -> None:
-        """Start the next attempt once every node is connected and idle."""
-        back = (Phase.IDLE.value, Phase.DONE.value, Phase.WAITING.value)
+        """Start the next attempt once every node is back."""
+        self.gather(now, self.t.restart)
+
+    def gather(self, now: float, within: float) -> None:
+        """Continue the run once every node is connected, idle and has said which checkpoints
+        it holds; fail, naming the nodes that stayed away, after `within` seconds."""
+        back = (Phase.IDLE, Phase.DONE, Phase.WAITING)
         listed = bool(self.spec.checkpoints_dir)
         away = [
             h
             for h, p in self.peers.items()
             if not (p.joined and p.phase in back and (p.checkpoints is not None or not listed))
         ]
-        assert self.reason is not None
         if not away:
-            self.restart()
+            self.continue_run()
             return
-        if now - self.phase_since > self.t.restart:
-            late = f"{', '.join(away)} did not come back within {self.t.restart:.0f} s"
-            message = f"{self.reason['message']}; no restart: {late}"
-            self.reason = {**self.reason, "message": message, "away": away}
-            self.say(f"failed: {', '.join(away)} stayed away")
+        if now - self.phase_since <= within:
+            return
+        late = f"{', '.join(away)} did not come back within {within:.0f} s"
+        if self.reason is None:  # a resumed run whose nodes never all joined
+            self.reason = self.failure(FailureKind.START, late, node=away[0], away=tuple(away))
+        else:
+            self.reason = replace(self.reason.said(f"; no restart: {late}"), away=tuple(away))
+        self.gathering = False
+        self.say(f"failed: {', '.join(away)} stayed away")
+        self.set_phase(Phase.FAILED)
+
+    def continue_run(self) -> None:
+        """Every node is back: the next attempt, from the checkpoint they all hold. The one way
+        a run continues: after a failure (a restart, `self.reason` its cause) and at the start
+        of a resumed run alike."""
+        after, resuming = self.reason, self.gathering
+        self.gathering = False
+        stamp = resume_stamp() if resuming else restart_stamp(self.attempt + 1)
+        found = {self.host: listing(self.spec.checkpoints_dir)}
+        found.update({host: peer.checkpoints or [] for host, peer in self.peers.items()})
+        plan = continue_plan(
+            found,
+            self.spec.job,
+            self.spec.checkpoints_dir,
+            stamp,
+            sharded=self.spec.sharded,
+            from_scratch=not resuming,
+        )
+        if not plan["ok"]:
+            self.say(f"failed: {plan['message']}")
+            self.reason = (
+                after.said(f"; no restart: {plan['message']}")
+                if after is not None
+                else self.failure(FailureKind.START, plan["message"])
+            )
             self.set_phase(Phase.FAILED)
+            return
+        if after is not None:
+            self.attempt += 1
+            self.restarts.append(Restart(self.attempt, iso(time.time()), after, plan["checkpoint"]))
+            self.say(
+                f"restart {len(self.restarts)} of {self.spec.max_restarts}: attempt {self.attempt}"
+            )
+        if plan["message"]:
+            self.say(plan["message"])
+        self.broadcast(
+            {
+                "t": Kind.CONTINUE.value,
+                "attempt": self.attempt,
+                "after": after.to_dict() if after is not None else None,
+                "plan": plan,
+            }
+        )
+        self.prepare_continue(plan)
+        self.begin_attempt()

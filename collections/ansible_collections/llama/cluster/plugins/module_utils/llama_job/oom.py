@@ -34,7 +34,7 @@ CUDA_OOM = (
 )
 RANK_PREFIX = re.compile(r"^\s*\[rank(\d+)\]:")  # torch.distributed's prefix of a rank's traceback
 # torchrun's ChildFailedError summary ("rank : 1 (local_rank: 1)" then "exitcode : -9 (pid: 8393)")
-# and its agent's line ("failed (exitcode: -9) local_rank: 0 (pid: 8393) of binary").
+# and its elastic agent's line ("failed (exitcode: -9) local_rank: 0 (pid: 8393) of binary").
 TORCHRUN_FAILURE = re.compile(
     r"\brank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)"
 )

@@ -72,7 +72,7 @@ PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 
 def become_subreaper() -> bool:
     """Make this process the reaper of its orphaned descendants (Linux 3.4+): a rank whose
-    launcher died is then still below the runner, and is found and ended with the rest."""
+    launcher died is then still below the agent, and is found and ended with the rest."""
     with contextlib.suppress(OSError, AttributeError):
         return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     return False
@@ -81,7 +81,7 @@ def become_subreaper() -> bool:
 def descendants(roots: list[int], uid: int | None = None) -> list[int]:
     """Every live descendant of `roots` (owned by `uid`), by parent pid: what a process started,
     in whatever session or process group it put them. torch's elastic agent starts each rank with
-    start_new_session, so a rank is in neither the runner's session nor the command's group."""
+    start_new_session, so a rank is in neither the agent's session nor the command's group."""
     children: dict[int, list[int]] = {}
     for pid in all_pids():
         info = proc_stat(pid)

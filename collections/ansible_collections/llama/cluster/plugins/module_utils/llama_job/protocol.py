@@ -1,9 +1,19 @@
-"""The llama-job protocol: one definition of a job's phases, its messages, its status and its
-outcome, for every layer that reads a job's state.
+"""The llama-job protocol: the one definition of a job's phases, failure kinds, messages and
+status, for every layer that reads a job's state.
 
-The node's supervisor (the zipapp llama-job), the controller's module (llama_job), its filters
-(filter/job.py) and the Python API (llama_runner) all import this module; none reshapes a
-rank's status or a job's outcome on its own. Stdlib only, Python 3.10 (it runs on the nodes).
+Two parts:
+
+- the wire: `Kind` (the messages on the watchdog port) and their framing (`seal`, `unseal`);
+- the status: `Phase` and `FailureKind` (closed enums: a phase or a kind is one of their
+  members, nothing else), and the typed objects built from them: `Failure` (why an attempt
+  ended), `Restart`, `RankStatus` (one node's part of a job: what `llama-job status` prints),
+  `NodeStatus` and `JobStatus` (a job across the cluster: what the play, status.yml, the API and
+  the CLI report), `Resume` and `RunSummary` (what an ended run came to).
+
+Each object is carried unchanged from the node to the user: `to_dict` is its JSON (enums as their
+values) and `from_dict` reads it back, so the node's supervisor (the zipapp llama-job), the
+controller's module (llama_job), its filters (filter/job.py), playbooks/status.yml and the Python
+API (llama_runner) share one shape. Stdlib only, Python 3.10 (it runs on the nodes).
 
 On the watchdog port every message is one line, `<seq> <mac> <body>`: a sequence number, the
 HMAC-SHA256 (64 hex digits) under the job's secret of the job id, the sequence number and the
@@ -22,18 +32,19 @@ import json
 import re
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from typing import Any
 
 VERSION = 1
 MAX_LINE = 64 << 10  # bytes of one message on the watchdog port, newline included
 HELLO_WITHIN = 5.0  # seconds a new connection has to authenticate itself
-MAX_DEPTH = 32  # nesting of a message's arrays and objects (the runners' nest a few levels)
+MAX_DEPTH = 32  # nesting of a message's arrays and objects (the agents' nest a few levels)
 
 
 class Phase(str, Enum):
-    """Where one node's part of a job stands (what `llama-job status` reports per rank)."""
+    """Where a job stands: on one node (a rank's phase), or across the cluster (a job's)."""
 
     STARTING = "starting"  # the master's command is starting, the peers joining
     WAITING = "waiting"  # a worker waits for the master's start
@@ -45,39 +56,59 @@ class Phase(str, Enum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     STOPPED = "stopped"
+    ABSENT = "absent"  # no such job on a node that answered (or a peer the master lost)
+    UNKNOWN = "unknown"  # nothing known: the node (or every node) did not answer
 
     def is_terminal(self) -> bool:
         """Whether the job has ended in this phase."""
         return self in TERMINAL_PHASES
 
+    def in_progress(self) -> bool:
+        """Whether the job is coming up, running or restarting (not ended, and known)."""
+        return not self.is_terminal() and self not in (Phase.ABSENT, Phase.UNKNOWN)
+
+    def resumable(self) -> bool:
+        """Whether a job that ended in this phase can be continued from a checkpoint."""
+        return self in (Phase.FAILED, Phase.STOPPED)
+
+    @classmethod
+    def of(cls, value: object, default: Phase | None = None) -> Phase:
+        """The phase a JSON value names; `default` (UNKNOWN) for anything else."""
+        try:
+            return cls(value)
+        except ValueError:
+            return default or cls.UNKNOWN
+
 
 TERMINAL_PHASES = frozenset({Phase.SUCCEEDED, Phase.FAILED, Phase.STOPPED})
-TERMINAL = tuple(p.value for p in (Phase.SUCCEEDED, Phase.FAILED, Phase.STOPPED))
 
 
-def is_terminal(phase: object) -> bool:
-    """Whether a phase (its name as JSON carries it) is one a job ends in."""
-    return phase in TERMINAL
+class FailureKind(str, Enum):
+    """Why an attempt of a job ended badly (`Failure.kind`)."""
+
+    EXITED = "exited"  # a command ended badly, or its output reported a failure
+    VANISHED = "vanished"  # a node's agent closed its connection or fell silent
+    STALLED = "stalled"  # no progress in rank 0's trainer log for too long
+    START = "start"  # the job never got going (a port, the firewall, no checkpoint to resume)
+    STOPPED = "stopped"  # a request to stop (llama-job stop)
+    LOST = "lost"  # an agent ended without recording an outcome (its node rebooted, a kill)
+
+    def restartable(self) -> bool:
+        """Whether starting again from the last checkpoint may heal this failure."""
+        return self in RESTARTABLE
+
+    @classmethod
+    def of(cls, value: object) -> FailureKind:
+        """The kind a JSON value names (EXITED for anything else: a command that failed)."""
+        try:
+            return cls(value)
+        except ValueError:
+            return cls.EXITED
 
 
-# A run as Cluster.status() reports it (llama_runner): the phases a user tells apart.
-RUN_STATES = ("starting", "running", "restarting", "succeeded", "failed", "stopped")
-ACTIVE_STATES = frozenset(RUN_STATES[:3])
-PHASE_STATES = {
-    Phase.STARTING.value: "starting",
-    Phase.WAITING.value: "starting",
-    Phase.RUNNING.value: "running",
-    Phase.STOPPING.value: "running",
-    Phase.RESTARTING.value: "restarting",
-    Phase.SUCCEEDED.value: "succeeded",
-    Phase.FAILED.value: "failed",
-    Phase.STOPPED.value: "stopped",
-}
-
-
-def run_state(phase: object) -> str:
-    """A job's phase as a run's state (an unknown phase: stopped, as nothing is left running)."""
-    return PHASE_STATES.get(str(phase or ""), "stopped")
+RESTARTABLE = frozenset(
+    {FailureKind.EXITED, FailureKind.VANISHED, FailureKind.STALLED, FailureKind.LOST}
+)
 
 
 class Kind(str, Enum):
@@ -88,15 +119,13 @@ class Kind(str, Enum):
     REFUSED = "refused"
     BEAT = "beat"
     START = "start"
-    RESTART = "restart"
+    # From a checkpoint: a restart (`after`: the failure) or a resumed run's first attempt;
+    # `plan` names the checkpoint and what each node sets aside.
+    CONTINUE = "continue"
     ABORT = "abort"
     FINAL = "final"
     EXIT = "exit"
     IDLE = "idle"
-
-
-# Failure kinds a restart may heal (a request to stop or a failed start may not).
-RESTARTABLE = ("exited", "vanished", "stalled", "lost")
 
 
 # --------------------------------------------------------------------------------------------
@@ -170,7 +199,7 @@ def unseal(key: bytes, job: str, line: bytes, last_seq: int) -> tuple[int, dict[
 
 
 # --------------------------------------------------------------------------------------------
-# Words shared by the runners and the status
+# Words shared by the agents and the status
 # --------------------------------------------------------------------------------------------
 def iso(stamp: float | None) -> str | None:
     """UTC time as 2026-12-01T10:00:00Z."""
@@ -190,71 +219,216 @@ def describe_exit(code: int | None) -> str:
     return f"exit status {code}"
 
 
+def _plain(value: object) -> Any:  # noqa: ANN401 - JSON
+    """A status object as JSON: dataclasses as objects, enums as their values."""
+    if isinstance(value, Enum):
+        return value.value
+    if hasattr(value, "__dataclass_fields__"):
+        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}  # type: ignore[arg-type]
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _number(value: object) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _text(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _strings(value: object) -> tuple[str, ...]:
+    return tuple(str(v) for v in value) if isinstance(value, list | tuple) else ()
+
+
+def _mapping(value: object) -> dict[str, Any]:
+    return dict(value) if isinstance(value, Mapping) else {}
+
+
 # --------------------------------------------------------------------------------------------
-# The status of one rank (llama-job status / list / wait / stop: "ranks")
+# Why an attempt ended, and the restarts that followed
 # --------------------------------------------------------------------------------------------
-def lost_reason(record: Mapping[str, Any], errors: list[str]) -> dict[str, Any]:
-    """The failure of a rank whose runner ended without recording an outcome."""
-    return {
-        "node": record["host"],
-        "rank": record["rank"],
-        "kind": "lost",
-        "exit_status": None,
-        "message": f"its supervisor ({record['unit']}) ended without recording an outcome",
-        "errors": errors,
-    }
+@dataclass(frozen=True)
+class Failure:
+    """Why an attempt of a job ended badly: the node that explains it, the kind, the message
+    (with its cause first, when one is known), the exit status and the node's first error
+    lines. `cause` says what ran out of memory (oom.py), else None."""
+
+    node: str | None
+    kind: FailureKind
+    message: str
+    rank: int | None = None
+    exit_status: int | None = None
+    errors: tuple[str, ...] = ()
+    cause: Mapping[str, Any] | None = None
+    at: str | None = None
+    at_s: float | None = None
+    attempt: int | None = None
+    away: tuple[str, ...] = ()  # the nodes that did not come back for a restart
+
+    @classmethod
+    def now(cls, node: str | None, kind: FailureKind, message: str, **given: Any) -> Failure:  # noqa: ANN401
+        """A failure that happens now."""
+        stamp = time.time()
+        return cls(node=node, kind=kind, message=message, at=iso(stamp), at_s=stamp, **given)
+
+    def said(self, more: str) -> Failure:
+        """The same failure, its message followed by `more`."""
+        return replace(self, message=self.message + more)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Its JSON."""
+        return _plain(self)
+
+    @classmethod
+    def from_dict(cls, data: object) -> Failure | None:
+        """A failure from its JSON (None for anything that is not one)."""
+        if not isinstance(data, Mapping) or not data:
+            return None
+        cause = data.get("cause")
+        return cls(
+            node=_text(data.get("node")),
+            kind=FailureKind.of(data.get("kind")),
+            message=str(data.get("message") or "it failed"),
+            rank=_int(data.get("rank")),
+            exit_status=_int(data.get("exit_status")),
+            errors=_strings(data.get("errors")),
+            cause=dict(cause) if isinstance(cause, Mapping) else None,
+            at=_text(data.get("at")),
+            at_s=_number(data.get("at_s")),
+            attempt=_int(data.get("attempt")),
+            away=_strings(data.get("away")),
+        )
 
 
-def rank_status(
-    record: Mapping[str, Any],
-    state: Mapping[str, Any],
-    alive: bool,
-    left: list[int],
-    errors: list[str] | None = None,
-) -> dict[str, Any]:
-    """What one node's part of a job is doing: root's record, the runner's state (already
-    checked to be this launch's, else {}), whether the runner lives and what outlived it;
-    `errors` are the log's error lines, read only for a runner that ended without an outcome."""
-    phase = state.get("phase") or Phase.STARTING.value
-    reason = state.get("reason")
-    if not alive and not is_terminal(phase):
-        if record.get("stop_requested"):
-            phase = Phase.STOPPED.value
-        else:
-            phase, reason = Phase.FAILED.value, lost_reason(record, errors or [])
-    return {
-        "job": record["job"],
-        "host": record["host"],
-        "rank": record["rank"],
-        "role": state.get("role", "master" if record["rank"] == 0 else "worker"),
-        "supervisor": record["supervisor"],
-        "exclusive": record.get("exclusive", True),
-        "unit": record["unit"],
-        "active": alive or bool(left),
-        "leftover_pids": left,
-        "phase": phase,
-        "attempt": state.get("attempt", 1),
-        "max_restarts": state.get("max_restarts", 0),
-        "restarts": state.get("restarts", []),
-        "exit_status": state.get("exit_status"),
-        "reason": reason,
-        "progress": state.get("progress") or {},
-        "peers": state.get("peers") or {},
-        "limits": state.get("limits") or {},
-        "log": record["log"],
-        "state": record["state"],
-        "started": record.get("started"),
-        "ended": state.get("ended"),
-        "updated": state.get("updated"),
-    }
+@dataclass(frozen=True)
+class Restart:
+    """One restart of the whole job: the attempt it started, when, after which failure, and the
+    checkpoint every node continued from (None: from the beginning)."""
+
+    attempt: int
+    at: str | None = None
+    after: Failure | None = None
+    checkpoint: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Its JSON."""
+        return _plain(self)
+
+    @classmethod
+    def from_dict(cls, data: object) -> Restart | None:
+        """A restart from its JSON (None for anything that is not one)."""
+        if not isinstance(data, Mapping):
+            return None
+        return cls(
+            attempt=_int(data.get("attempt")) or 0,
+            at=_text(data.get("at")),
+            after=Failure.from_dict(data.get("after")),
+            checkpoint=_text(data.get("checkpoint")),
+        )
 
 
-def leading(ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    """The rank whose view speaks for the job on one node: the master's, else the first."""
-    return next((r for r in ranks if r.get("role") == "master"), ranks[0] if ranks else {})
+def _restarts(value: object) -> tuple[Restart, ...]:
+    found = (Restart.from_dict(item) for item in value) if isinstance(value, list | tuple) else ()
+    return tuple(r for r in found if r is not None)
 
 
-def _record_line(record: Mapping[str, Any]) -> list[str]:
+# --------------------------------------------------------------------------------------------
+# One node's part of a job (llama-job status / list / wait / stop: "ranks")
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RankStatus:
+    """What one node's part of a job is doing: root's record of it and its agent's state.
+
+    `progress` (rank 0's last trainer log record) and `peers` are the master's; `active` is true
+    while the agent or anything it started still runs."""
+
+    job: str
+    host: str
+    rank: int
+    role: str  # master or worker
+    phase: Phase
+    supervisor: str = ""
+    unit: str = ""
+    log: str = ""
+    state: str = ""  # the agent's state file
+    exclusive: bool = True
+    active: bool = False
+    leftover_pids: tuple[int, ...] = ()
+    attempt: int = 1
+    max_restarts: int = 0
+    restarts: tuple[Restart, ...] = ()
+    exit_status: int | None = None
+    reason: Failure | None = None
+    progress: Mapping[str, Any] = field(default_factory=dict)
+    peers: Mapping[str, Any] = field(default_factory=dict)
+    limits: Mapping[str, Any] = field(default_factory=dict)
+    started: str | None = None
+    ended: str | None = None
+    updated: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Its JSON (what llama-job prints)."""
+        return _plain(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RankStatus:
+        """A rank's status from its JSON."""
+        return cls(
+            job=str(data.get("job") or ""),
+            host=str(data.get("host") or ""),
+            rank=_int(data.get("rank")) or 0,
+            role=str(data.get("role") or ("master" if data.get("rank") == 0 else "worker")),
+            phase=Phase.of(data.get("phase")),
+            supervisor=str(data.get("supervisor") or ""),
+            unit=str(data.get("unit") or ""),
+            log=str(data.get("log") or ""),
+            state=str(data.get("state") or ""),
+            exclusive=data.get("exclusive") is not False,
+            active=bool(data.get("active")),
+            leftover_pids=tuple(p for p in data.get("leftover_pids") or () if _int(p) is not None),
+            attempt=_int(data.get("attempt")) or 1,
+            max_restarts=_int(data.get("max_restarts")) or 0,
+            restarts=_restarts(data.get("restarts")),
+            exit_status=_int(data.get("exit_status")),
+            reason=Failure.from_dict(data.get("reason")),
+            progress=_mapping(data.get("progress")),
+            peers=_mapping(data.get("peers")),
+            limits=_mapping(data.get("limits")),
+            started=_text(data.get("started")),
+            ended=_text(data.get("ended")),
+            updated=_text(data.get("updated")),
+        )
+
+    def progress_line(self) -> str:
+        """One human-readable progress line."""
+        record = self.progress
+        used, budget = len(self.restarts), self.max_restarts
+        tail = f"  (restart {used} of {budget})" if used else ""
+        if self.phase is Phase.RESTARTING:
+            reason = self.reason
+            after = f"{reason.node}: {reason.message}" if reason else "a failure"
+            return f"restarting after {after} (restart {used + 1} of {budget})"
+        if self.phase in (Phase.STARTING, Phase.WAITING) and not record:
+            joined = sum(1 for p in self.peers.values() if _mapping(p).get("connected"))
+            return f"starting: {joined} of {len(self.peers)} other nodes joined{tail}"
+        if not record:
+            return f"{self.phase.value}{tail}"
+        parts = record_line(record)
+        if self.phase is not Phase.RUNNING:
+            parts.insert(0, self.phase.value)
+        return "  ".join(parts) + tail
+
+
+def record_line(record: Mapping[str, Any]) -> list[str]:
+    """A trainer log record's figures, as the progress line says them."""
     parts = [f"step {record.get('current_steps', '?')}/{record.get('total_steps', '?')}"]
     if isinstance(record.get("percentage"), int | float):
         parts[0] += f" ({record['percentage']:.0f}%)"
@@ -271,40 +445,264 @@ def _record_line(record: Mapping[str, Any]) -> list[str]:
     return parts
 
 
-def progress_line(rank: Mapping[str, Any]) -> str:
-    """One human-readable progress line from a rank's status."""
-    phase = rank.get("phase", "?")
-    record = rank.get("progress") or {}
-    restarts = len(rank.get("restarts") or [])
-    budget = rank.get("max_restarts") or 0
-    tail = f"  (restart {restarts} of {budget})" if restarts else ""
-    if phase == Phase.RESTARTING.value:
-        reason = rank.get("reason") or {}
-        return (
-            f"restarting after {reason.get('node')}: {reason.get('message')} "
-            f"(restart {restarts + 1} of {budget})"
+def lost_failure(record: Mapping[str, Any], errors: Iterable[str]) -> Failure:
+    """The failure of a rank whose agent ended without recording an outcome."""
+    return Failure(
+        node=str(record["host"]),
+        rank=_int(record.get("rank")),
+        kind=FailureKind.LOST,
+        message=f"its supervisor ({record['unit']}) ended without recording an outcome",
+        errors=tuple(errors),
+    )
+
+
+def rank_status(
+    record: Mapping[str, Any],
+    state: Mapping[str, Any],
+    alive: bool,
+    left: list[int],
+    errors: list[str] | None = None,
+) -> RankStatus:
+    """What one node's part of a job is doing: root's record, the agent's state (already
+    checked to be this launch's, else {}), whether the agent lives and what outlived it;
+    `errors` are the log's error lines, read only for an agent that ended without an outcome."""
+    phase = Phase.of(state.get("phase"), Phase.STARTING)
+    reason = Failure.from_dict(state.get("reason"))
+    if not alive and not phase.is_terminal():
+        if record.get("stop_requested"):
+            phase = Phase.STOPPED
+        else:
+            phase, reason = Phase.FAILED, lost_failure(record, errors or [])
+    rank = int(record["rank"])
+    return RankStatus(
+        job=str(record["job"]),
+        host=str(record["host"]),
+        rank=rank,
+        role=str(state.get("role") or ("master" if rank == 0 else "worker")),
+        phase=phase,
+        supervisor=str(record["supervisor"]),
+        unit=str(record["unit"]),
+        log=str(record["log"]),
+        state=str(record["state"]),
+        exclusive=record.get("exclusive", True) is not False,
+        active=alive or bool(left),
+        leftover_pids=tuple(left),
+        attempt=_int(state.get("attempt")) or 1,
+        max_restarts=_int(state.get("max_restarts")) or 0,
+        restarts=_restarts(state.get("restarts")),
+        exit_status=_int(state.get("exit_status")),
+        reason=reason,
+        progress=_mapping(state.get("progress")),
+        peers=_mapping(state.get("peers")),
+        limits=_mapping(state.get("limits")),
+        started=_text(record.get("started")),
+        ended=_text(state.get("ended")),
+        updated=_text(state.get("updated")),
+    )
+
+
+def leading(ranks: list[RankStatus]) -> RankStatus | None:
+    """The rank whose view speaks for the job on one node: the master's, else the first."""
+    return next((r for r in ranks if r.role == "master"), ranks[0] if ranks else None)
+
+
+def got_going(lead: RankStatus | None) -> bool:
+    """Whether a job started: it is known here and did not fail or stop before running."""
+    return lead is not None and lead.phase not in (Phase.FAILED, Phase.STOPPED, Phase.UNKNOWN)
+
+
+# --------------------------------------------------------------------------------------------
+# A job across the cluster, from each node's status
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NodeStatus:
+    """One node in a job's status: its rank's phase, or that it did not answer."""
+
+    phase: Phase
+    reachable: bool = True
+    active: bool | None = False  # None: not known (it did not answer)
+    rank: int | None = None
+    unit: str | None = None
+    log: str | None = None
+    exit_status: int | None = None
+    supervisor: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Its JSON."""
+        return _plain(self)
+
+    @classmethod
+    def of(cls, rank: RankStatus) -> NodeStatus:
+        """A node's view from its rank's status."""
+        return cls(
+            phase=rank.phase,
+            active=rank.active,
+            rank=rank.rank,
+            unit=rank.unit,
+            log=rank.log,
+            exit_status=rank.exit_status,
+            supervisor=rank.supervisor,
         )
-    if phase in (Phase.STARTING.value, Phase.WAITING.value) and not record:
-        peers = rank.get("peers") or {}
-        joined = sum(1 for p in peers.values() if p.get("connected"))
-        return f"starting: {joined} of {len(peers)} other nodes joined{tail}"
-    if not record:
-        return f"{phase}{tail}"
-    parts = _record_line(record)
-    if phase != Phase.RUNNING.value:
-        parts.insert(0, phase)
-    return "  ".join(parts) + tail
+
+    @classmethod
+    def from_dict(cls, data: object) -> NodeStatus:
+        """A node's view from its JSON."""
+        given = _mapping(data)
+        active = given.get("active")
+        return cls(
+            phase=Phase.of(given.get("phase")),
+            reachable=given.get("reachable") is not False,
+            active=active if isinstance(active, bool) or active is None else bool(active),
+            rank=_int(given.get("rank")),
+            unit=_text(given.get("unit")),
+            log=_text(given.get("log")),
+            exit_status=_int(given.get("exit_status")),
+            supervisor=_text(given.get("supervisor")),
+        )
 
 
-# --------------------------------------------------------------------------------------------
-# The outcome of a job across the cluster, from each node's status
-# --------------------------------------------------------------------------------------------
-def node_ranks(result: object) -> list[dict[str, Any]]:
-    """The rank statuses in one node's `llama_job status` result ([] when it did not answer)."""
-    if not answered(result):
-        return []
-    assert isinstance(result, Mapping)
-    return [r for r in result.get("ranks") or [] if isinstance(r, Mapping)]
+@dataclass(frozen=True)
+class Resume:
+    """How a failed or stopped run can be continued: the checkpoint every node would continue
+    from (the rule of `-e resume=true` and of an automatic restart) and the command, or why not
+    (checkpoint and command None)."""
+
+    checkpoint: str | None
+    command: str | None
+    message: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """Its JSON."""
+        return _plain(self)
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """What an ended run came to: its last step, final loss (the last attempt's last logged
+    loss), time (`time_from`: llama-job's start to end, else the trainer log's elapsed time),
+    restarts (`restarted_after`: the node that failed before each), and for a failed or stopped
+    run how to continue it."""
+
+    step: int | None = None
+    total_steps: int | None = None
+    final_loss: float | None = None
+    time_s: float | None = None
+    time_from: str = ""
+    restarts: int = 0
+    max_restarts: int = 0
+    restarted_after: tuple[str, ...] = ()
+    resume: Resume | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Its JSON."""
+        return _plain(self)
+
+    @classmethod
+    def from_dict(cls, data: object) -> RunSummary | None:
+        """A summary from its JSON (None for anything that is not one)."""
+        if not isinstance(data, Mapping) or not data:
+            return None
+        resume = data.get("resume")
+        return cls(
+            step=_int(data.get("step")),
+            total_steps=_int(data.get("total_steps")),
+            final_loss=_number(data.get("final_loss")),
+            time_s=_number(data.get("time_s")),
+            time_from=str(data.get("time_from") or ""),
+            restarts=_int(data.get("restarts")) or 0,
+            max_restarts=_int(data.get("max_restarts")) or 0,
+            restarted_after=_strings(data.get("restarted_after")),
+            resume=(
+                Resume(
+                    checkpoint=_text(resume.get("checkpoint")),
+                    command=_text(resume.get("command")),
+                    message=str(resume.get("message") or ""),
+                )
+                if isinstance(resume, Mapping)
+                else None
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """A job across the cluster: the master's agent's view (the workers' own records when the
+    master did not answer), every node's phase, the restarts and rank 0's progress; for an ended
+    run the summary (`RunSummary`, which status.yml adds).
+
+    What the play sets as `job_status`, status.yml hands to ansible-runner as `llama_status`, and
+    Cluster.status() returns; `to_dict` adds `in_progress`, `succeeded` and `resumable`, the
+    phase's tests, for the playbooks' conditions."""
+
+    job: str
+    phase: Phase
+    reason: Failure | None = None
+    unreachable: tuple[str, ...] = ()  # the nodes that did not answer
+    active: tuple[str, ...] = ()  # the nodes where something of the job still runs
+    nodes: Mapping[str, NodeStatus] = field(default_factory=dict)
+    attempt: int = 1
+    max_restarts: int = 0
+    restarts: tuple[Restart, ...] = ()
+    progress: Mapping[str, Any] = field(default_factory=dict)  # rank 0's last trainer log record
+    started: str | None = None
+    ended: str | None = None
+    # What the last attempt's records of rank 0's trainer log say (trainer_log.log_figures),
+    # where the master's status was given the log.
+    trainer_log: Mapping[str, Any] = field(default_factory=dict)
+    summary: RunSummary | None = None
+
+    @property
+    def node(self) -> str | None:
+        """The node that explains a failure or a stop."""
+        return self.reason.node if self.reason else None
+
+    @property
+    def exit_status(self) -> int | None:
+        """The failed process's exit status, where one is known."""
+        return self.reason.exit_status if self.reason else None
+
+    @property
+    def step(self) -> int | None:
+        """The run's last step: an ended run's summary, else rank 0's last record."""
+        if self.summary and self.summary.step is not None:
+            return self.summary.step
+        return _int(self.progress.get("current_steps"))
+
+    @property
+    def total_steps(self) -> int | None:
+        """The run's steps in all, as the trainer log says."""
+        if self.summary and self.summary.total_steps:
+            return self.summary.total_steps
+        return _int(self.progress.get("total_steps"))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Its JSON, with the phase's tests."""
+        return {
+            **_plain(self),
+            "in_progress": self.phase.in_progress(),
+            "succeeded": self.phase is Phase.SUCCEEDED,
+            "resumable": self.phase.resumable(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> JobStatus:
+        """A job's status from its JSON."""
+        return cls(
+            job=str(data.get("job") or ""),
+            phase=Phase.of(data.get("phase")),
+            reason=Failure.from_dict(data.get("reason")),
+            unreachable=_strings(data.get("unreachable")),
+            active=_strings(data.get("active")),
+            nodes={str(h): NodeStatus.from_dict(n) for h, n in _mapping(data.get("nodes")).items()},
+            attempt=_int(data.get("attempt")) or 1,
+            max_restarts=_int(data.get("max_restarts")) or 0,
+            restarts=_restarts(data.get("restarts")),
+            progress=_mapping(data.get("progress")),
+            started=_text(data.get("started")),
+            ended=_text(data.get("ended")),
+            trainer_log=_mapping(data.get("trainer_log")),
+            summary=RunSummary.from_dict(data.get("summary")),
+        )
 
 
 def answered(result: object) -> bool:
@@ -312,100 +710,87 @@ def answered(result: object) -> bool:
     return isinstance(result, Mapping) and not (result.get("unreachable") or result.get("failed"))
 
 
-def _node_view(rank: Mapping[str, Any]) -> dict[str, Any]:
-    return {
-        "phase": rank.get("phase"),
-        "active": bool(rank.get("active")),
-        "reachable": True,
-        "rank": rank.get("rank"),
-        "unit": rank.get("unit"),
-        "log": rank.get("log"),
-        "exit_status": rank.get("exit_status"),
-        "supervisor": rank.get("supervisor"),
-    }
+def node_ranks(result: object) -> list[RankStatus]:
+    """The rank statuses in one node's `llama_job status` result ([] when it did not answer)."""
+    if not answered(result):
+        return []
+    assert isinstance(result, Mapping)
+    return [RankStatus.from_dict(r) for r in result.get("ranks") or [] if isinstance(r, Mapping)]
 
 
-def _views(results: Mapping[str, object]) -> tuple[dict, list, list]:
-    """Per node its view, the nodes that did not answer, and every (host, rank) reported."""
-    nodes: dict[str, dict[str, Any]] = {}
+def _views(
+    results: Mapping[str, object],
+) -> tuple[dict[str, NodeStatus], list[str], list[RankStatus]]:
+    """Per node its view, the nodes that did not answer, and every rank reported."""
+    nodes: dict[str, NodeStatus] = {}
     unreachable: list[str] = []
-    views: list[tuple[str, Mapping[str, Any]]] = []
+    views: list[RankStatus] = []
     for host, result in sorted(results.items()):
         ranks = node_ranks(result)
         if not ranks and not answered(result):
             unreachable.append(host)
-            nodes[host] = {"phase": "unknown", "active": None, "reachable": False}
+            nodes[host] = NodeStatus(Phase.UNKNOWN, reachable=False, active=None)
         elif not ranks:
-            nodes[host] = {"phase": "absent", "active": False, "reachable": True}
+            nodes[host] = NodeStatus(Phase.ABSENT)
         for rank in ranks:
-            views.append((host, rank))
-            nodes[host] = _node_view(rank)
+            views.append(rank)
+            nodes[host] = NodeStatus.of(rank)
     return nodes, unreachable, views
 
 
-def _lead(views: list, master: str) -> tuple[str | None, Mapping[str, Any] | None]:
-    """The master's runner's view: on the master host first, else wherever one reports."""
-    for wanted in (lambda h: h == master, lambda _h: True):
-        for host, rank in views:
-            if wanted(host) and rank.get("role") == "master":
-                return host, rank
-    return None, None
+def _lead(views: list[RankStatus], master: str) -> RankStatus | None:
+    """The master's agent's view: on the master host first, else wherever one reports."""
+    masters = [r for r in views if r.role == "master"]
+    return next((r for r in masters if r.host == master), masters[0] if masters else None)
 
 
-def _workers_verdict(views: list, unreachable: list[str], master: str) -> tuple[str, Any]:
+def _workers_verdict(
+    views: list[RankStatus], unreachable: list[str], master: str
+) -> tuple[Phase, Failure | None]:
     """Without the master's view: what the workers' own records say."""
-    finals = [r for _, r in views if is_terminal(r.get("phase"))]
-    failed = [r for r in finals if r.get("phase") == Phase.FAILED.value]
+    finals = [r for r in views if r.phase.is_terminal()]
+    failed = [r for r in finals if r.phase is Phase.FAILED]
     source = failed[0] if failed else (finals[0] if finals else None)
-    phase = source.get("phase") if source else ("unknown" if unreachable else "absent")
-    reason = source.get("reason") if source else None
+    if source is not None:
+        phase, reason = source.phase, source.reason
+    else:
+        phase, reason = (Phase.UNKNOWN if unreachable else Phase.ABSENT), None
     if reason is None and master in unreachable:
-        reason = {
-            "node": master,
-            "kind": "vanished",
-            "message": "the master did not answer",
-            "exit_status": None,
-            "errors": [],
-        }
-        phase = Phase.FAILED.value if phase in ("unknown", "absent") else phase
-    return str(phase), reason
+        reason = Failure(
+            node=master, kind=FailureKind.VANISHED, message="the master did not answer"
+        )
+        phase = Phase.FAILED if phase in (Phase.UNKNOWN, Phase.ABSENT) else phase
+    return phase, reason
 
 
-def job_outcome(results: Mapping[str, object], master: str) -> dict[str, Any]:
-    """One job's state across the cluster from each node's `llama_job status` result.
+def job_status(results: Mapping[str, object], master: str, job: str = "") -> JobStatus:
+    """One job's status across the cluster from each node's `llama_job status` result.
 
-    A node without a result mapping counts as unreachable. The master's runner coordinates
+    A node without a result mapping counts as unreachable. The master's agent coordinates
     the job, so its view wins; without it, the workers' own records say what they saw
     (typically that the master vanished).
     """
     nodes, unreachable, views = _views(results)
-    lead_host, lead = _lead(views, master)
+    lead = _lead(views, master)
     if lead is not None:
-        phase, reason = str(lead.get("phase", "unknown")), lead.get("reason")
+        phase, reason = lead.phase, lead.reason
     else:
         phase, reason = _workers_verdict(views, unreachable, master)
-    if phase == Phase.SUCCEEDED.value:
-        reason = None
-    lead, cause = lead or {}, reason or {}
-    lead_result = results.get(lead_host or "")
-    return {
-        "phase": phase,
-        "reason": reason,
-        "node": cause.get("node"),
-        "exit_status": cause.get("exit_status"),
-        "errors": list(cause.get("errors") or []),
-        "unreachable": unreachable,
-        "active": sorted(h for h, n in nodes.items() if n.get("active")),
-        "nodes": nodes,
-        "attempt": lead.get("attempt", 1),
-        "max_restarts": lead.get("max_restarts", 0),
-        "restarts": list(lead.get("restarts") or []),
-        "progress": dict(lead.get("progress") or {}),
-        "started": lead.get("started"),
-        "ended": lead.get("ended"),
-        # What the last attempt's records of rank 0's trainer log say, where the master's
-        # `llama_job status` was given the log (progress_file).
-        "trainer_log": dict(
-            (lead_result.get("trainer_log") if isinstance(lead_result, Mapping) else None) or {}
-        ),
-    }
+    lead_result = results.get(lead.host) if lead is not None else None
+    return JobStatus(
+        job=job or (lead.job if lead is not None else ""),
+        phase=phase,
+        reason=None if phase is Phase.SUCCEEDED else reason,
+        unreachable=tuple(unreachable),
+        active=tuple(sorted(h for h, n in nodes.items() if n.active)),
+        nodes=nodes,
+        attempt=lead.attempt if lead is not None else 1,
+        max_restarts=lead.max_restarts if lead is not None else 0,
+        restarts=lead.restarts if lead is not None else (),
+        progress=dict(lead.progress) if lead is not None else {},
+        started=lead.started if lead is not None else None,
+        ended=lead.ended if lead is not None else None,
+        trainer_log=_mapping(lead_result.get("trainer_log"))
+        if isinstance(lead_result, Mapping)
+        else {},
+    )

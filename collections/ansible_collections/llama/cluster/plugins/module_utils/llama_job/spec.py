@@ -1,4 +1,4 @@
-"""The job's specification (written by roles/job, read by `start` and by the runner), checked
+"""The job's specification (written by roles/job, read by `start` and by the agent), checked
 once into dataclasses: nothing after load_spec looks at the raw JSON again."""
 
 from __future__ import annotations
@@ -104,17 +104,19 @@ class JobSpec:
     limits: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_LIMITS))
     exclusive: bool = True
     secret_env_file: str = ""
-    # Automatic restarts resume from one checkpoint on every node (checkpoints.py): the directory
-    # of this node's checkpoint-N ("" for a job without checkpoints), the argument that passes
-    # the checkpoint to the command ("{checkpoint}" is its path), and whether each node's
-    # checkpoint holds only its own ranks' state.
+    # A run continues from one checkpoint on every node (checkpoints.py), after a failure (an
+    # automatic restart) and, with `resume`, from its first attempt (-e resume=true): the
+    # directory of this node's checkpoint-N ("" for a job without checkpoints), the argument that
+    # passes the checkpoint to the command ("{checkpoint}" is its path), and whether each
+    # node's checkpoint holds only its own ranks' state (the plan's `sharded`).
     checkpoints_dir: str = ""
     resume_argument: str = ""
     sharded: bool = False
+    resume: bool = False
 
     @property
     def is_master(self) -> bool:
-        """Whether this node's runner coordinates the job."""
+        """Whether this node's agent coordinates the job."""
         return self.role == "master"
 
     @property
@@ -147,6 +149,8 @@ def _paths(path: str, raw: Mapping[str, Any]) -> None:
     argument = raw.get("resume_argument", "")
     if not isinstance(argument, str) or (argument and "{checkpoint}" not in argument):
         raise Refused(f"{path}: resume_argument must hold {{checkpoint}} (or be empty)")
+    if raw.get("resume") and not (raw.get("checkpoints_dir") and argument):
+        raise Refused(f"{path}: resume needs checkpoints_dir and resume_argument")
 
 
 def _command(path: str, raw: Mapping[str, Any]) -> tuple[str, ...]:
@@ -216,6 +220,7 @@ def parse_spec(path: str, raw: Mapping[str, Any]) -> JobSpec:
         checkpoints_dir=str(raw.get("checkpoints_dir") or "").rstrip("/"),
         resume_argument=str(raw.get("resume_argument") or ""),
         sharded=bool(raw.get("sharded", False)),
+        resume=bool(raw.get("resume", False)),
     )
 
 

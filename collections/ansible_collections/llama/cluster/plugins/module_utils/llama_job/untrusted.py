@@ -1,4 +1,4 @@
-"""Files the job's user can write, read by root and by the runner without trusting them.
+"""Files the job's user can write, read by root and by the agent without trusting them.
 
 Nothing here follows a link, reads more than a bound, or accepts a file of another owner.
 """

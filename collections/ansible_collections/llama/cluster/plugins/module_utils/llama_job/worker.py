@@ -1,4 +1,4 @@
-"""A worker's runner: follows the master. Keeps one authenticated connection to the master's
+"""A worker's agent: follows the master. Keeps one authenticated connection to the master's
 watchdog, starts, ends and restarts this node's command when the master says, tells it how the
 command ended, and ends the command on its own when the master goes away."""
 
@@ -9,11 +9,11 @@ import threading
 import time
 from typing import Any
 
+from .agent import NodeAgent
 from .checkpoints import listing
 from .command import Ended
 from .link import Link, connect, read_uplink
-from .protocol import Kind, Phase, describe_exit, is_terminal, iso
-from .runner import NodeRunner
+from .protocol import Failure, FailureKind, Kind, Phase, Restart, describe_exit, iso
 
 
 def reachable(address: str, port: int, within: float = 15.0) -> bool:
@@ -31,10 +31,11 @@ def reachable(address: str, port: int, within: float = 15.0) -> bool:
 
 def final_phase(phase: object) -> Phase:
     """The phase the master's final message names (failed for anything but an end)."""
-    return Phase(phase) if is_terminal(phase) else Phase.FAILED
+    named = Phase.of(phase)
+    return named if named.is_terminal() else Phase.FAILED
 
 
-class WorkerRunner(NodeRunner):
+class WorkerAgent(NodeAgent):
     """Follow the master: start, abort, restart and finish when it says."""
 
     def __init__(self, spec: Any) -> None:  # noqa: ANN401 - a JobSpec
@@ -101,7 +102,7 @@ class WorkerRunner(NodeRunner):
             self.master_refused = self.master_seen is not None
         elif kind == "rejected":
             why = f"the master refused this node: {(data or {}).get('why')}"
-            self.leave(Phase.FAILED, self.reason_for("start", why))
+            self.leave(Phase.FAILED, self.failure(FailureKind.START, why))
         elif kind == "unreached":
             self.note_unauthenticated(str((data or {}).get("why", "")))
         elif kind == "eof":
@@ -111,7 +112,7 @@ class WorkerRunner(NodeRunner):
             if link is self.uplink:
                 self.uplink = None
                 if self.master_seen is not None:
-                    self.master_gone("the master's runner closed the connection")
+                    self.master_gone("the master's agent closed the connection")
         elif link is self.uplink and data is not None:
             self.heard_master()
             self.on_message(data)
@@ -146,43 +147,42 @@ class WorkerRunner(NodeRunner):
                 "rank": self.spec.rank,
             }
         )
-        self.leave(Phase.STOPPED, self.reason_for("stopped", "stopped on request"))
+        self.leave(Phase.STOPPED, self.failure(FailureKind.STOPPED, "stopped on request"))
 
     def on_message(self, data: dict[str, Any]) -> None:
         """What the master says: start, restart, abort, final."""
         handlers = {
             Kind.START.value: lambda: self.start_attempt(int(data.get("attempt") or self.attempt)),
-            Kind.RESTART.value: lambda: self.restart(data),
+            Kind.CONTINUE.value: lambda: self.continue_run(data),
             Kind.ABORT.value: lambda: self.abort(data),
             Kind.FINAL.value: lambda: self.leave(
-                final_phase(data.get("phase")), data.get("reason")
+                final_phase(data.get("phase")), Failure.from_dict(data.get("reason"))
             ),
         }
         handler = handlers.get(str(data.get("t")))
         if handler is not None:
             handler()
 
-    def restart(self, data: dict[str, Any]) -> None:
-        """The master starts the next attempt once every node is idle."""
-        after = data.get("after") or {}
-        self.restarts.append(
-            {"attempt": data.get("attempt"), "at": iso(time.time()), "after": after}
-        )
+    def continue_run(self, data: dict[str, Any]) -> None:
+        """The master continues the run from a checkpoint: a restart (`after`: the failure) or
+        a resumed run's first attempt. Set aside what the plan says, then wait for its start."""
+        after = Failure.from_dict(data.get("after"))
         self.attempt = int(data.get("attempt") or self.attempt)
+        plan = data.get("plan") if isinstance(data.get("plan"), dict) else {}
+        checkpoint = plan.get("checkpoint") if isinstance(plan.get("checkpoint"), str) else None
+        if after is not None:
+            self.restarts.append(Restart(self.attempt, iso(time.time()), after, checkpoint))
+            self.say(f"restart: attempt {self.attempt} (after {after.node}: {after.message})")
         self.reason = None
-        plan = data.get("plan")
-        self.prepare_restart(self.attempt, plan if isinstance(plan, dict) else {})
-        self.say(
-            f"restart: attempt {self.attempt} (after {after.get('node')}: {after.get('message')})"
-        )
+        self.prepare_continue(plan)
         self.set_phase(Phase.WAITING)
 
     def abort(self, data: dict[str, Any]) -> None:
         """The master ends this attempt on every node."""
-        self.reason = data.get("reason")
+        self.reason = Failure.from_dict(data.get("reason"))
         if self.command.running():
-            reason = self.reason or {}
-            self.command.end(f"{reason.get('node')}: {reason.get('message')}")
+            said = f"{self.reason.node}: {self.reason.message}" if self.reason else "aborted"
+            self.command.end(said)
             return
         self.send_master({"t": Kind.IDLE.value, "attempt": self.attempt})
         if self.phase is not Phase.DONE:
@@ -200,13 +200,13 @@ class WorkerRunner(NodeRunner):
                 "check the firewall (roles/firewall) and the route"
             )
             self.say(message)
-            self.reason = self.reason_for("start", message)
+            self.reason = self.failure(FailureKind.START, message)
             self.send_master(
                 {
                     "t": Kind.EXIT.value,
                     "attempt": attempt,
                     "exit_status": None,
-                    "kind": "start",
+                    "kind": FailureKind.START.value,
                     "message": message,
                     "errors": [],
                     "rank": self.spec.rank,
@@ -259,17 +259,17 @@ class WorkerRunner(NodeRunner):
             }
         )
         if self.stop_requested:
-            self.leave(Phase.STOPPED, self.reason_for("stopped", "stopped on request"))
+            self.leave(Phase.STOPPED, self.failure(FailureKind.STOPPED, "stopped on request"))
             return
         if ended.code == 0 and not ended.aborted:
             self.set_phase(Phase.DONE)
             return
         if not ended.aborted:
-            self.reason = self.reason_for(
-                "exited",
+            self.reason = self.failure(
+                FailureKind.EXITED,
                 self.explained(words, ended.cause),
                 exit_status=ended.code,
-                errors=ended.errors,
+                errors=tuple(ended.errors),
                 cause=ended.cause,
             )
         self.set_phase(Phase.IDLE)
@@ -304,10 +304,10 @@ class WorkerRunner(NodeRunner):
         why = f" ({self.unauthenticated})" if self.unauthenticated else ""
         self.leave(
             Phase.FAILED,
-            self.reason_for(
-                "start",
+            self.failure(
+                FailureKind.START,
                 f"cannot reach the watchdog on {self.spec.master.address}:"
-                f"{self.spec.watchdog_port} (is the master's runner up, and does the "
+                f"{self.spec.watchdog_port} (is the master's agent up, and does the "
                 f"firewall let it through?){why}",
                 node=self.master_host,
             ),
@@ -329,10 +329,10 @@ class WorkerRunner(NodeRunner):
             self.leave(Phase.SUCCEEDED, None)
             return
         reason = self.reason
-        if not reason or reason.get("kind") != "vanished":
-            ended = " (its runner has ended)" if self.master_refused else " for good"
+        if not reason or reason.kind is not FailureKind.VANISHED:
+            ended = " (its agent has ended)" if self.master_refused else " for good"
             why = f"lost the master {self.master_host}{ended}"
-            reason = self.reason_for("vanished", why, node=self.master_host)
+            reason = self.failure(FailureKind.VANISHED, why, node=self.master_host)
         self.leave(Phase.FAILED, reason)
 
     def master_gone(self, why: str) -> None:
@@ -343,17 +343,17 @@ class WorkerRunner(NodeRunner):
         if not self.command.running():
             return
         if self.frozen:
-            self.reason = self.reason_for(
-                "vanished", f"this node was frozen for {self.frozen:.0f} s"
+            self.reason = self.failure(
+                FailureKind.VANISHED, f"this node was frozen for {self.frozen:.0f} s"
             )
         else:
-            self.reason = self.reason_for("vanished", why, node=self.master_host)
+            self.reason = self.failure(FailureKind.VANISHED, why, node=self.master_host)
         self.command.end(f"the master {self.master_host} is gone")
 
-    def leave(self, phase: Phase, reason: dict[str, Any] | None) -> None:
+    def leave(self, phase: Phase, reason: Failure | None) -> None:
         """End this worker's part of the job."""
         self.command.end_now("the job ended")
         self.reason = reason
-        said = f" ({reason['node']}: {reason['message']})" if reason else ""
+        said = f" ({reason.node}: {reason.message})" if reason else ""
         self.say(f"the job ended here: {phase.value}{said}")
         self.set_phase(phase)

@@ -1,28 +1,31 @@
 """The run planner: what train.yml runs, decided from the request, the model, every node's GPUs
 and the rules kept as data in group_vars/all/training.yml.
 
-One module per concern, each with its unit tests in tests/test_planner.py:
+One module per concern (the collection's README lists each, and tests/test_maps.py checks that
+list and that the planner imports nothing outside itself but the standard library and
+ansible.errors):
 
-- `schema`: the numbers a user gives, checked against one schema (`TRAIN_ARGS_SCHEMA`,
-  `RUN_SCHEMA`), and the project's settings the planner reads (`Settings`);
-- `model`: the model from the catalogue, `-e` overrides and its config.json (`model_params`),
-  and where it comes from and lives on every node (`model_stage_source`, `model_stage_probe`);
+- `schema`: the numbers a user gives, checked against one schema (`check_request`), and the
+  project's settings the planner reads (`Settings`);
+- `model`: the model from the catalogue (`find_model`), `-e` overrides and its config.json
+  (`resolve_model`), and where it comes from and lives on every node (`model_stage_source`);
 - `nodes`: every node's accelerator, processes and GPU memory from its facts (`describe_nodes`);
-- `memory`: the memory model; `cost`: the predicted step time (compute, optimizer, offload,
-  communication; tests/test_cost_model.py); `links`: the link between the nodes from their
-  facts or link_gbps (`run_link`);
+- `memory` and `measured_memory`: the memory model; `cost`: the predicted step time
+  (tests/test_cost_model.py); `links`: the link between the nodes (`run_link`);
 - `search`: the candidates that fit, ranked by predicted step time, the scaling over 1..N nodes
   and the go/no-go (`ranked`, `scaling`, `assess`);
-- `decisions`: micro-batch, accumulation, checkpointing and torch.compile (`choose_batch`,
-  `choose_compile`), and the first stage that fits where the cost model does not apply
-  (`choose_stage`: CPUs, a model of unknown shape);
+- `decisions`: micro-batch, accumulation, checkpointing, torch.compile and FP8 (`choose_batch`,
+  `choose_compile`, `choose_fp8`), and the first stage that fits where the cost model does not
+  apply (`choose_stage`: CPUs, a model of unknown shape);
 - `rules`: the `when`/`set` profile rules kept as data (`apply_rules`);
-- `assembly`: `plan` puts it together, with the lines shown before launch;
-- `render`: train.yaml's arguments, the dataset registry and the run directory's files;
-- `checkpoints`: the checkpoint a resumed run continues from on every node;
+- `assembly`: `assemble` puts it together (the DeepSpeed stage is chosen there, from the search's
+  winner or `choose_stage`), with the lines shown before launch;
+- `checkpoints`: the checkpoint a continued run resumes from on every node (`resume_point`, which
+  llama-job applies) and whether a stage's checkpoints are each node's own (`sharded`);
 - `disk`: the checkpoints kept, their size on every node and whether they fit its free space
-  (`disk_estimate`, `disk_budget`; tests/test_disk_budget.py).
+  (`disk_estimate`, `disk_budget`; tests/test_disk_budget.py);
+- `errors`: `PlanError`, the one error (a filter error in Ansible) that says what to change.
 
-The Jinja filters that call it are plugins/filter/run_config.py. Standard library only; errors
-are `PlanError` (a filter error in Ansible) that say what to change.
+The action that calls it is plugins/action/run_plan.py; the filters that render a plan are
+plugins/filter/run_config.py. Standard library only.
 """

@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+from .checkpoints import sharded_checkpoints
 from .cost import Link
 from .decisions import (
     Batch,
@@ -525,6 +526,8 @@ def assemble(
             "numerics_changes": technique.numerics_changes(),
         },
         "numerics": request["numerics"],
+        # Each node's checkpoint holds only its own ranks' state: what a resume can copy.
+        "sharded": sharded_checkpoints(stage),
         "accelerator": accelerator,
         "nnodes": len(nodes),
         "nproc_per_node": nproc,

@@ -1,10 +1,26 @@
-"""Resuming a run: the checkpoint every node of the run can continue from."""
+"""Continuing a run: the checkpoint every node of the run can continue from, and whether a
+node's checkpoint is its own ranks' alone (`sharded`, decided once, in the plan).
+
+llama-job applies resume_point before an automatic restart and before a resumed run's first
+attempt (module_utils/llama_job/checkpoints.py); status.yml and a failed run's report say with
+it which checkpoint a resume would continue from."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
 from typing import Any
+
+# A stage whose checkpoint holds, on each node, only that node's ranks' state (DeepSpeed's ZeRO
+# partitions and its per-rank files; FSDP's sharded state): no node can stand in for another.
+UNSHARDED_STAGES = frozenset({"none"})
+
+
+def sharded_checkpoints(stage: str) -> bool:
+    """Whether a run of this stage (the plan's `deepspeed`) writes checkpoints that are each
+    node's own (the plan's `sharded`)."""
+    return stage not in UNSHARDED_STAGES
+
 
 _CHECKPOINT = re.compile(r"/checkpoint-(\d+)$")
 # The Trainer writes trainer_state.json last: a checkpoint without it was cut off mid-save.

@@ -1,4 +1,4 @@
-"""The plan's classifier (module_utils/plan.py) and its rendering (callback llama_plan).
+"""The preview's classifier (module_utils/preview.py) and its rendering (callback llama_preview).
 
 The results below are the shapes the modules return (apt's --simulate and real output, uv's and
 pip's dry runs and real runs as printed by uv 0.13.9 and pip 24, llama_ufw's commands). The
@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from ansible_collections.llama.cluster.plugins.callback.llama_plan import render, table
-from ansible_collections.llama.cluster.plugins.module_utils.plan import (
+from ansible_collections.llama.cluster.plugins.callback.llama_preview import render, table
+from ansible_collections.llama.cluster.plugins.module_utils.preview import (
     COMMAND_SKIPPED,
     Item,
     apt_packages,
@@ -185,7 +185,7 @@ def test_the_driver_decision_is_shown_whatever_it_is(decision: dict, shown: str)
     assert item.text.startswith(shown)
 
 
-def test_the_plan_prints_each_node_and_one_table():
+def test_the_preview_prints_each_node_and_one_table():
     items = {
         "node1": {
             "driver": ["install, reboot: no driver loaded"],

@@ -1,9 +1,10 @@
-"""What a task result changed (or, in check mode, would change), in the plan's categories.
+"""What a task result changed (or, in check mode, would change), in the preview's categories.
 
-The callback llama.cluster.llama_plan gives every task result of a run to `classify` and prints
-what it returns per node (provision.yml --check: the plan). A real run is classified the same way,
-so that a plan and the run after it can be compared category by category. Facts in (the task's
-action, its arguments as the module received them, its result), items out; no Ansible import.
+The callback llama.cluster.llama_preview gives every task result of a run to `classify` and
+prints what it returns per node (provision.yml --check: the preview). A real run is classified
+the same way, so that a preview and the run after it can be compared category by category. Facts
+in (the task's action, its arguments as the module received them, its result), items out; no
+Ansible import.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-# The categories, in the order the plan prints them.
+# The categories, in the order the preview prints them.
 CATEGORIES = (
     "driver",
     "packages",
@@ -150,7 +151,7 @@ def classify(
     result: Mapping[str, Any],
     check_mode: bool,
 ) -> list[Item]:
-    """The items one task result adds to its node's plan (or list of changes)."""
+    """The items one task result adds to its node's preview (its list of changes)."""
     decision = (result.get("ansible_facts") or {}).get("__nvidia_driver_decision")
     if decision:
         return [driver_item(decision)]
@@ -218,7 +219,7 @@ def command_items(args: Mapping[str, Any], result: Mapping[str, Any]) -> list[It
     if creates:
         return [Item("files", f"{creates} (made by: {text})")]
     # The same text whether check mode skipped it or a real run changed something with it, so
-    # that a plan and the run after it compare equal.
+    # that a preview and the run after it compare equal.
     return [Item("commands", text)]
 
 

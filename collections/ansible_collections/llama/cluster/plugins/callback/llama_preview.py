@@ -1,4 +1,4 @@
-"""The plan of a check-mode run: per node and as one table, what a real run would change."""
+"""The preview of a check-mode run: per node and as one table, what a real run would change."""
 
 from __future__ import annotations
 
@@ -10,34 +10,34 @@ from typing import Any
 
 from ansible import context
 from ansible.plugins.callback import CallbackBase
-from ansible_collections.llama.cluster.plugins.module_utils.plan import (
+from ansible_collections.llama.cluster.plugins.module_utils.preview import (
     CATEGORIES,
     Item,
     classify,
 )
 
 DOCUMENTATION = """
-    name: llama_plan
+    name: llama_preview
     type: aggregate
     short_description: what a check-mode run would change, per node and as one table
     description:
-      - Classifies every task result (module, arguments, result) into the plan's categories
+      - Classifies every task result (module, arguments, result) into the preview's categories
         (driver, packages, firewall, sysctls, users, files, services, commands) with
-        llama.cluster's module_utils/plan.py.
+        llama.cluster's module_utils/preview.py.
       - In check mode (C(ansible-playbook provision.yml --check)) it prints, after the recap,
-        the PLAN block, every node's items, then one table of counts, the driver action and
+        the PREVIEW block, every node's items, then one table of counts, the driver action and
         whether a reboot would follow. A real run prints nothing more.
-      - With C(LLAMA_PLAN_LOG) set, every run (check or real) appends one JSON line of what it
-        classified, so that a plan and the run after it can be compared.
+      - With C(LLAMA_PREVIEW_LOG) set, every run (check or real) appends one JSON line of what it
+        classified, so that a preview and the run after it can be compared.
     requirements:
       - enable in callbacks_enabled (ansible.cfg does)
     options:
       log:
         description: A file to which each run appends one JSON line of its items per node.
         env:
-          - name: LLAMA_PLAN_LOG
+          - name: LLAMA_PREVIEW_LOG
         ini:
-          - section: callback_llama_plan
+          - section: callback_llama_preview
             key: log
         default: ''
 """
@@ -51,7 +51,7 @@ class CallbackModule(CallbackBase):
 
     CALLBACK_VERSION = 2.0
     CALLBACK_TYPE = "aggregate"
-    CALLBACK_NAME = "llama.cluster.llama_plan"
+    CALLBACK_NAME = "llama.cluster.llama_preview"
     CALLBACK_NEEDS_ENABLED = True
 
     def __init__(self) -> None:
@@ -107,10 +107,10 @@ class CallbackModule(CallbackBase):
 
 
 def render(items: dict[str, dict[str, list[str]]], seconds: float) -> str:
-    """The PLAN block: every node's items, then the table."""
+    """The PREVIEW block: every node's items, then the table."""
     lines = [
         "",
-        f"PLAN (check mode, {seconds:.0f} s: nothing was changed; a real run would do this) "
+        f"PREVIEW (check mode, {seconds:.0f} s: nothing was changed; a real run would do this) "
         + "*" * 20,
     ]
     if any(found.get("commands") for found in items.values()):

@@ -1,4 +1,4 @@
-"""What the master's and a worker's runner share: the node's log, the command's environment,
+"""What the master's and a worker's agent share: the node's log, the command's environment,
 the state file that `status` reads, the failure records, and the run loop's frame."""
 
 from __future__ import annotations
@@ -9,21 +9,26 @@ import pwd
 import queue
 import signal
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .checkpoints import resume_argument, set_aside
+from .checkpoints import resume_argument, set_aside, set_aside_dir
 from .command import Command, Ended
 from .launchers import current_limits
 from .logs import read_env_file
 from .oom import describe_cause
 from .procs import become_subreaper
-from .protocol import VERSION, Phase, describe_exit, iso
+from .protocol import VERSION, Failure, FailureKind, Phase, Restart, describe_exit, iso
 from .spec import JobSpec
 from .untrusted import read_untrusted, write_json
 
 
-class NodeRunner:
+def _mapping(value: object) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+class NodeAgent:
     """Runs this node's command for a job and records where it stands."""
 
     def __init__(self, spec: JobSpec) -> None:
@@ -31,14 +36,14 @@ class NodeRunner:
         self.t = spec.timeouts
         self.host = spec.host
         self.events: queue.Queue = queue.Queue()
-        self.log = open(spec.log, "ab", buffering=0)  # noqa: SIM115 - lives as long as the runner
+        self.log = open(spec.log, "ab", buffering=0)  # noqa: SIM115 - lives as long as the agent
         os.chmod(spec.log, 0o640)
         self.command = Command(spec, self.environment(), self.log, self.say)
         self.attempt = 1
         self.phase = Phase.STARTING
         self.phase_since = time.monotonic()
-        self.reason: dict[str, Any] | None = None
-        self.restarts: list[dict[str, Any]] = []
+        self.reason: Failure | None = None
+        self.restarts: list[Restart] = []
         self.stop_requested = False
         self.started_s = time.time()
         self.progress: dict[str, Any] = {}
@@ -48,7 +53,7 @@ class NodeRunner:
 
     # -- plumbing -------------------------------------------------------------------------------
     def say(self, text: str) -> None:
-        """A line of the runner's own in the node's log."""
+        """A line of the agent's own in the node's log."""
         stamp = time.strftime("%H:%M:%S", time.gmtime())
         with contextlib.suppress(OSError):
             self.log.write(f"[llama-job {self.host} {stamp}Z] {text}\n".encode())
@@ -72,7 +77,7 @@ class NodeRunner:
         return {}
 
     def write_state(self, force: bool = True) -> None:
-        """The runner's state file: what status reports for this node."""
+        """The agent's state file: what status reports for this node."""
         now = time.monotonic()
         if not force and now - self.last_state_write < 1.0:
             return
@@ -86,9 +91,9 @@ class NodeRunner:
             "phase": self.phase.value,
             "attempt": self.attempt,
             "max_restarts": self.spec.max_restarts,
-            "restarts": self.restarts,
+            "restarts": [r.to_dict() for r in self.restarts],
             "exit_status": self.command.exit_status,
-            "reason": self.reason,
+            "reason": self.reason.to_dict() if self.reason else None,
             "progress": self.progress,
             "peers": self.peers_state(now),
             "limits": self.limits,
@@ -120,56 +125,50 @@ class NodeRunner:
         step = self.progress.get("current_steps")
         return f"{describe_cause(cause, node or self.host, step)}; {message}"
 
-    def reason_for(
-        self, kind: str, message: str, node: str | None = None, **extra: object
-    ) -> dict[str, Any]:
-        """A failure record."""
+    def failure(
+        self,
+        kind: FailureKind,
+        message: str,
+        node: str | None = None,
+        **given: Any,  # noqa: ANN401
+    ) -> Failure:
+        """A failure of this attempt, of this node unless `node` names another."""
         node = node or self.host
-        rank = self.spec.rank if node == self.host else extra.pop("rank", None)
-        return {
-            "node": node,
-            "rank": rank,
-            "kind": kind,
-            "exit_status": extra.pop("exit_status", None),
-            "message": message,
-            "errors": extra.pop("errors", []),
-            "cause": extra.pop("cause", None),
-            "at": iso(time.time()),
-            "at_s": time.time(),
-            "attempt": self.attempt,
-            **extra,
-        }
+        rank = self.spec.rank if node == self.host else given.pop("rank", None)
+        return Failure.now(node, kind, message, rank=rank, attempt=self.attempt, **given)
 
-    def reported(self, ended: Ended) -> tuple[str, dict[str, Any]]:
+    def reported(self, ended: Ended) -> tuple[str, Failure]:
         """The message and record of a failure the command's output reported."""
         message = f"its command reported a failure ({ended.reported})"
         if ended.code is not None:
             message += f": a process {describe_exit(ended.code)}"
         self.say(f"attempt {self.attempt}: {self.explained(message, ended.cause)}")
-        reason = self.reason_for(
-            "exited",
+        reason = self.failure(
+            FailureKind.EXITED,
             self.explained(message, ended.cause),
-            errors=ended.errors,
+            errors=tuple(ended.errors),
             exit_status=ended.code,
             cause=ended.cause,
         )
         return message, reason
 
-    # -- restarts -----------------------------------------------------------------------------
-    def prepare_restart(self, attempt: int, plan: dict[str, Any]) -> None:
-        """Before a restart: move this node's checkpoints newer than the common one aside (into
-        <run dir>/set-aside/restart-<attempt>/, never deleting one) and note the checkpoint."""
+    # -- continuing from a checkpoint: a restart, or a resumed run's first attempt -----------
+    def prepare_continue(self, plan: Mapping[str, Any]) -> None:
+        """Before an attempt that continues from a checkpoint (the master's plan: checkpoints.
+        continue_plan): move this node's checkpoints newer than the common one aside (into
+        <run dir>/set-aside/<the plan's stamp>/, never deleting one) and note the checkpoint
+        the command is given."""
         directory = self.spec.checkpoints_dir
         if not directory:
             return
         checkpoint = plan.get("checkpoint")
         self.resume_from = checkpoint if isinstance(checkpoint, str) else None
-        names = (plan.get("set_aside") or {}).get(self.host) or []
-        target = os.path.join(os.path.dirname(directory), "set-aside", f"restart-{attempt}")
-        moved = set_aside(directory, [str(n) for n in names], target)
+        target = set_aside_dir(directory, plan.get("stamp"))
+        names = _mapping(plan.get("set_aside")).get(self.host) or []
+        moved = set_aside(directory, [str(n) for n in names], target) if target else []
         if moved:
             self.say(f"set aside {', '.join(moved)} (not on every node, or cut off) in {target}")
-        self.say(f"attempt {attempt} resumes from {self.resume_from or 'the beginning'}")
+        self.say(f"attempt {self.attempt} resumes from {self.resume_from or 'the beginning'}")
 
     def start_command(self) -> Ended | None:
         """Start this attempt's command, passing the checkpoint it resumes from."""
@@ -209,14 +208,14 @@ class NodeRunner:
         raise NotImplementedError
 
     def begin(self) -> bool:
-        """Set up before the loop; False when the runner cannot run."""
+        """Set up before the loop; False when the agent cannot run."""
         return True
 
     def finish(self) -> None:
         """After the loop (role-specific)."""
 
     def run(self) -> int:
-        """The runner's life: a short loop over events, the command and the clocks."""
+        """The agent's life: a short loop over events, the command and the clocks."""
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGINT, self.on_signal)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)

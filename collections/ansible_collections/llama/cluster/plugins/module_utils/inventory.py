@@ -1,0 +1,384 @@
+"""The inventory: one place checks it and one place derives the cluster's topology from it.
+
+`inventory_report` checks the inventory (roles/inventory_check calls it in the first play of every
+playbook), `cluster_ranks` decides node ranks and `node_nproc` a node's processes, so the
+launcher, the checks, the plan (llama.cluster.run_plan) and the training validation agree. The
+filters of the same names are plugins/filter/cluster.py. Errors are filter errors that name the
+problem and the fix.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ansible.errors import AnsibleFilterError, AnsibleUndefinedVariable
+from jinja2 import Undefined
+
+# The inventory's shape, as every playbook expects it.
+EXPECTED = (
+    "exactly one host in the group 'master' (node rank 0), the other nodes in 'workers', and, "
+    "if the inventory has a group 'cluster', exactly the hosts of master and workers in it"
+)
+PORT_MIN = 1024
+PORT_MAX = 65535
+MISSING = object()
+INVALID = object()
+
+
+# ---- the numbers and names a user may set per host: one checker and its rule each -----------
+def _whole(minimum: int) -> Callable[[object], int]:
+    """A checker for a whole number >= minimum (an int, or a string of digits)."""
+
+    def check(value: object) -> int:
+        if isinstance(value, bool):
+            raise ValueError
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            value = int(value.strip())
+        if not isinstance(value, int) or value < minimum:
+            raise ValueError
+        return value
+
+    return check
+
+
+def _port(*, zero_is_none: bool = False) -> Callable[[object], int]:
+    """A checker for a TCP port a user may open (and, with zero_is_none, 0 for none)."""
+
+    def check(value: object) -> int:
+        port = _whole(0)(value)
+        if (zero_is_none and port == 0) or PORT_MIN <= port <= PORT_MAX:
+            return port
+        raise ValueError
+
+    return check
+
+
+def _gpu_ids(value: object) -> list[int]:
+    """A checker for a non-empty list of distinct GPU indexes."""
+    if not isinstance(value, list | tuple) or not value:
+        raise ValueError
+    ids = [_whole(0)(item) for item in value]
+    if len(set(ids)) != len(ids):
+        raise ValueError
+    return ids
+
+
+def _ip(value: object) -> str:
+    """A checker for an IPv4 or IPv6 address."""
+    return str(ipaddress.ip_address(str(value).strip()))
+
+
+def _one_of(*choices: str) -> Callable[[object], str]:
+    """A checker for one of a few words."""
+
+    def check(value: object) -> str:
+        if value not in choices:
+            raise ValueError
+        return value
+
+    return check
+
+
+PORT_RULE = f"a port from {PORT_MIN} to {PORT_MAX}"
+# Every per-host setting the check reads: its checker and what is allowed, for the message.
+HOST_SETTINGS: dict[str, tuple[Callable[[object], object], str]] = {
+    "cluster_accelerator": (_one_of("nvidia", "cpu"), "nvidia or cpu"),
+    "node_rank": (_whole(0), "a whole number >= 0 (the master 0, the workers 1 to N-1)"),
+    "nproc_per_node": (_whole(1), "a whole number >= 1 (processes on this node)"),
+    "gpu_ids": (_gpu_ids, "a non-empty list of distinct GPU indexes >= 0, e.g. [0, 1, 2, 3]"),
+    "master_port": (_port(), PORT_RULE),
+    "rendezvous_port": (_port(zero_is_none=True), f"0 (none) or {PORT_RULE}"),
+    "nccl_port_range_start": (_port(), PORT_RULE),
+    "nccl_port_range_end": (_port(), PORT_RULE),
+    "cluster_address": (
+        _ip,
+        "an IP address (the nodes' /etc/hosts and firewall rules are written with it); unset, it"
+        " is ansible_host when that is an IP, else the address of the node's default route",
+    ),
+}
+
+
+def _lookup(hostvars: Mapping[str, Any], host: str, name: str) -> object:
+    """A host's value of `name`, or MISSING where it has none (or one that needs facts)."""
+    values = hostvars[host]
+    if name not in values:
+        return MISSING
+    try:
+        value = values[name]
+    except AnsibleUndefinedVariable:
+        value = Undefined()
+    # A default that needs facts (cluster_address) is undefined here: the roles that use it
+    # check it once facts exist.
+    return MISSING if isinstance(value, Undefined) else value
+
+
+def _show(value: object, limit: int = 200) -> str:
+    """A value as the user wrote it, for a message (cut after `limit` characters)."""
+    text = repr(value) if isinstance(value, str) else json.dumps(value, default=str)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _bad(name: str, host: str, value: object) -> str:
+    """The message for a host's value that breaks its rule in HOST_SETTINGS."""
+    return f"{name} of {host} is {_show(value)}: allowed is {HOST_SETTINGS[name][1]}."
+
+
+def _host_settings(host: str, hostvars: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The host's checked settings (INVALID where a value breaks its rule), and a problem for
+    each such value."""
+    settings: dict[str, Any] = {}
+    problems = []
+    for name, (check, _rule) in HOST_SETTINGS.items():
+        value = _lookup(hostvars, host, name)
+        if value is MISSING:
+            continue
+        try:
+            settings[name] = check(value)
+        except (TypeError, ValueError):
+            settings[name] = INVALID
+            problems.append(_bad(name, host, value))
+    valid = {name: value for name, value in settings.items() if value is not INVALID}
+    start, end = valid.get("nccl_port_range_start"), valid.get("nccl_port_range_end")
+    if start is not None and end is not None:
+        if start > end:
+            problems.append(
+                f"nccl_port_range_start of {host} ({start}) is above nccl_port_range_end ({end}):"
+                " the range must run from start to end."
+            )
+        for name in ("master_port", "rendezvous_port"):
+            port = valid.get(name)
+            if port and start <= port <= end:
+                problems.append(
+                    f"{name} of {host} ({port}) is inside the NCCL port range {start}-{end}:"
+                    " move one of them (NCCL's connections would take the port)."
+                )
+    nproc, gpus = valid.get("nproc_per_node"), valid.get("gpu_ids")
+    if nproc is not None and gpus is not None and nproc > len(gpus):
+        problems.append(
+            f"nproc_per_node of {host} is {nproc}, but gpu_ids gives it {len(gpus)} GPUs "
+            f"({_show(gpus)}): allowed is at most one process per GPU listed."
+        )
+    return settings, problems
+
+
+# ---- the groups ------------------------------------------------------------------------------
+def cluster_nodes(groups: Mapping[str, list[str]]) -> list[str]:
+    """The training nodes: the group cluster, or master + workers where there is none."""
+    cluster = list(groups.get("cluster") or [])
+    if cluster:
+        return cluster
+    nodes = list(groups.get("master") or []) + list(groups.get("workers") or [])
+    return list(dict.fromkeys(nodes))
+
+
+def _found(groups: Mapping[str, list[str]]) -> str:
+    """The groups the inventory has, for a message."""
+
+    def hosts(name: str) -> str:
+        members = list(groups.get(name) or [])
+        if members:
+            return ", ".join(members)
+        if name == "cluster":
+            return "none (master + workers make it)"
+        return "none" if name in groups else "no such group"
+
+    found = [f"{name}: {hosts(name)}" for name in ("master", "workers", "cluster")]
+    others = sorted(
+        name
+        for name, members in groups.items()
+        if name not in ("all", "master", "workers", "cluster") and members
+    )
+    found += [f"{name}: {', '.join(groups[name])}" for name in others]
+    return "; ".join(found)
+
+
+def _group_problems(groups: Mapping[str, list[str]]) -> list[str]:
+    """A problem for each way the groups fail to make one master plus workers."""
+    masters = list(groups.get("master") or [])
+    workers = list(groups.get("workers") or [])
+    cluster = list(groups.get("cluster") or [])
+    nodes = cluster_nodes(groups)
+    if not nodes:
+        return [
+            "The inventory has no nodes: no hosts in the group 'cluster', nor in 'master' or "
+            "'workers'. Start the lab (ansible-playbook playbooks/lab.yml) or pass your own "
+            "inventory with -i (see inventory/example/hosts.yml)."
+        ]
+    problems = []
+    if len(masters) != 1:
+        problems.append(
+            f"The group 'master' must hold exactly one host (found: {', '.join(masters) or 'none'})"
+            ": put the node that is rank 0 in 'master' and the others in 'workers'."
+        )
+    both = [h for h in workers if h in masters]
+    if both:
+        problems.append(
+            f"{', '.join(both)} in both 'master' and 'workers': a node is one or the other."
+        )
+    if cluster:
+        strays = [h for h in cluster if h not in masters and h not in workers]
+        if strays:
+            problems.append(
+                f"{', '.join(strays)} in 'cluster' but neither in 'master' nor in 'workers': "
+                "put every training node in one of the two groups."
+            )
+        outside = [h for h in masters + workers if h not in cluster]
+        if outside:
+            problems.append(
+                f"{', '.join(dict.fromkeys(outside))} in 'master' or 'workers' but not in "
+                "'cluster': make master and workers the children of cluster (or drop the group "
+                "cluster: master + workers are then the cluster)."
+            )
+    return problems
+
+
+def _rank_problems(
+    masters: list[str], workers: list[str], explicit: Mapping[str, int]
+) -> list[str]:
+    """A problem for each way explicit node_rank values fail to number the nodes 0 to N-1."""
+    ordered = list(dict.fromkeys(masters + workers))
+    explicit = {host: explicit[host] for host in ordered if host in explicit}
+    if not explicit:
+        return []
+    unset = [h for h in ordered if h not in explicit]
+    if unset:
+        return [
+            f"Some hosts set node_rank but {', '.join(unset)} do not: set it on every host or none."
+        ]
+    problems = []
+    master = masters[0]
+    if explicit[master] != 0:
+        problems.append(
+            f"The master {master} has node_rank {explicit[master]}; the master must be rank 0."
+        )
+    seen: dict[int, str] = {}
+    for host in ordered:
+        rank = explicit[host]
+        if rank in seen:
+            problems.append(
+                f"{seen[rank]} and {host} both have node_rank {rank}; ranks must be unique."
+            )
+        seen.setdefault(rank, host)
+    expected = list(range(len(ordered)))
+    if not problems and sorted(explicit.values()) != expected:
+        problems.append(
+            f"node_rank values {sorted(explicit.values())} do not add up: with {len(ordered)} "
+            f"nodes they must be exactly {expected}."
+        )
+    return problems
+
+
+def _agreement_problems(
+    nodes: list[str], hostvars: Mapping[str, Any], uniform: list[str]
+) -> list[str]:
+    """One problem naming every setting in `uniform` whose value differs between nodes."""
+    differences = []
+    for name in uniform:
+        by_value: dict[str, list[str]] = {}
+        shown: dict[str, Any] = {}
+        for host in nodes:
+            value = _lookup(hostvars, host, name)
+            if value is MISSING:
+                continue
+            key = json.dumps(value, sort_keys=True, default=str)
+            by_value.setdefault(key, []).append(host)
+            shown[key] = value
+        if len(by_value) > 1:
+            values = "; ".join(
+                f"{_show(shown[key], 60)} on {', '.join(hosts)}" for key, hosts in by_value.items()
+            )
+            differences.append(f"{name} ({values})")
+    if not differences:
+        return []
+    return [
+        f"Settings differ between nodes: {', '.join(differences)}. Every node must have the same:"
+        " set each once for the whole cluster ([all:vars], the group cluster, or "
+        "group_vars/all.yml beside the inventory), not per host."
+    ]
+
+
+def inventory_report(
+    groups: Mapping[str, list[str]],
+    hostvars: Mapping[str, Any],
+    uniform: list[str] | None = None,
+) -> dict[str, Any]:
+    """Check the inventory: its groups, the settings in `uniform` that every node must share,
+    and every node's numbers (HOST_SETTINGS). Returns the nodes, the problems (empty when the
+    inventory is fine) and a message that lists them with what was expected and found."""
+    problems = _group_problems(groups)
+    nodes = cluster_nodes(groups)
+    # Ansible computes a host's variables on every hostvars[host]: once per node is enough.
+    hostvars = {host: hostvars[host] for host in nodes}
+    settings: dict[str, dict[str, Any]] = {}
+    for host in nodes:
+        settings[host], host_problems = _host_settings(host, hostvars)
+        problems += host_problems
+    masters = list(groups.get("master") or [])
+    explicit = {h: s["node_rank"] for h, s in settings.items() if "node_rank" in s}
+    if len(masters) == 1 and INVALID not in explicit.values():
+        workers = [h for h in groups.get("workers") or [] if h not in masters]
+        problems += _rank_problems(masters, workers, explicit)
+    problems += _agreement_problems(nodes, hostvars, list(uniform or []))
+    found = _found(groups)
+    return {
+        "nodes": nodes,
+        "problems": problems,
+        "message": "\n".join(
+            [f"- {problem}" for problem in problems] + [f"Expected {EXPECTED}.", f"Found {found}."]
+        ),
+    }
+
+
+def cluster_ranks(groups: Mapping[str, list[str]], hostvars: Mapping[str, Any]) -> dict[str, int]:
+    """Map every node to its node rank.
+
+    The one host of `master` is rank 0; `workers` follow in inventory order, unless hosts set
+    `node_rank`. Raises a filter error that names the problem and the fix.
+    """
+    problems = _group_problems(groups)
+    if problems:
+        raise AnsibleFilterError(" ".join(problems))
+    masters = list(groups.get("master") or [])
+    workers = [h for h in groups.get("workers") or [] if h not in masters]
+    explicit = {}
+    for host in masters + workers:
+        value = _lookup(hostvars, host, "node_rank")
+        if value is MISSING:
+            continue
+        try:
+            explicit[host] = _whole(0)(value)
+        except (TypeError, ValueError) as err:
+            raise AnsibleFilterError(_bad("node_rank", host, value)) from err
+    problems = _rank_problems(masters, workers, explicit)
+    if problems:
+        raise AnsibleFilterError(" ".join(problems))
+    if explicit:
+        return dict(explicit)
+    return {host: index for index, host in enumerate(masters + workers)}
+
+
+def node_nproc(hostvars: Mapping[str, Any]) -> int:
+    """Processes to start on one node: explicit, else one per selected or detected GPU."""
+    host = hostvars.get("inventory_hostname", "a host")
+    if "nproc_per_node" in hostvars:
+        try:
+            return _whole(1)(hostvars["nproc_per_node"])
+        except (TypeError, ValueError) as err:
+            raise AnsibleFilterError(
+                _bad("nproc_per_node", host, hostvars["nproc_per_node"])
+            ) from err
+    if hostvars.get("gpu_ids"):
+        return len(hostvars["gpu_ids"])
+    facts = hostvars.get("ansible_local", {}).get("llama_host", {})
+    if hostvars.get("cluster_accelerator", "nvidia") == "cpu":
+        return 1
+    count = int(facts.get("gpu_count", 0) or 0)
+    if count < 1:
+        raise AnsibleFilterError(
+            f"{host} reports no GPUs and sets no "
+            "nproc_per_node: run provision.yml (it records the GPUs) or set nproc_per_node."
+        )
+    return count

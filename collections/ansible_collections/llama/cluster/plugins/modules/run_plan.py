@@ -1,0 +1,195 @@
+#!/usr/bin/python
+"""llama.cluster.run_plan's documentation (ansible-doc -t module llama.cluster.run_plan).
+
+run_plan is an action plugin (plugins/action/run_plan.py): it runs on the controller and never
+sends this file to a node. ansible-doc reads an action's documentation from a module of the same
+name, as for ansible-core's own actions; the action reads its options from here too, so that the
+documented options are the checked ones.
+"""
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+module: run_plan
+short_description: Check a training request and plan a new run, on the controller
+description:
+  - Runs in train.yml's first play (localhost) before any node changes, for a new run. Finds the
+    model in models_catalogue (one lookup, module_utils/planner/model.py find_model), checks the
+    request once (one message lists every bad value, the model's first), the inventory's ranks and
+    accelerator.
+  - The model's config.json is read on the controller. A generated model (the catalogue's tiny)
+    is made first by scripts/make_tiny_model.py (once; a second run changes nothing). A
+    directory of the controller is read where it is (and rsync must be there to copy it). A hub
+    id is asked for with one GET of config.json at its endpoint, which pins the revision to the
+    hub's commit; the Hugging Face token is sent to huggingface.co only, or to any endpoint with
+    hf_token_to_endpoint=true. A directory on shared storage is read on the controller, or from
+    O(shared_config) where only the nodes mount it.
+  - Each dataset (datasets_catalogue, or O(dataset_file)) is checked record by record with
+    llama.cluster.llama_dataset_check on the controller.
+  - Returns C(plan), the plan every node renders (roles/run_config), with C(plan.model), the
+    model with C(plan.model.path), its path on every node (train.yaml's model_name_or_path),
+    and C(plan.model_stage), the request every node stages there (roles/model_stage; no secrets
+    in it); and C(notes), the lines to show before launch. Fails with the problem and its fix,
+    changing nothing on any node.
+  - Reads the project's settings from the play's variables (models_catalogue, datasets_catalogue,
+    datasets_formats, datasets_default, training_* (training_shared_storage for the checkpoints'
+    disk estimate), the hub settings of group_vars/all/models.yml,
+    tiny_model_*, controller_runs_dir, project_dir) and every node's hostvars and facts; a GPU
+    node's facts must be gathered or cached before (train.yml reads the missing ones first).
+options:
+  model:
+    description: Catalogue name of the model (-e model), or a name of one's own with O(model_path).
+    type: str
+    default: ""
+  model_path:
+    description: Override of the catalogue's path (a hub id, or a directory).
+    type: str
+    default: ""
+  model_revision:
+    description:
+      - Hub revision (branch, tag or commit); default main (Hugging Face) or master (ModelScope).
+    type: str
+    default: ""
+  model_shared:
+    description: The path is a directory at the same path on every node (shared storage).
+    type: bool
+    default: false
+  shared_config:
+    description:
+      - config.json of a model on shared storage that the controller does not mount, base64, as
+        ansible.builtin.slurp read it on the master ("" = none read).
+    type: str
+    default: ""
+  ask_master:
+    description:
+      - true, for a model on shared storage whose config.json is neither on the controller nor in
+        O(shared_config), returns C(read_on_master) (that config.json's path) instead of failing,
+        and plans nothing; the play reads it on the master and calls the action again with
+        O(shared_config) (train.yml does). false refuses, naming the master.
+    type: bool
+    default: false
+  probe_model:
+    description:
+      - false plans from the catalogue alone, offline (no hub request, nothing generated, no
+        config.json read); the plan then has no model_stage.
+    type: bool
+    default: true
+  claim_run_id:
+    description:
+      - true (train.yml) makes a new run's directory under controller_runs_dir once it is
+        planned, so that no other run started from this controller takes the same id; a run
+        planned in the same second as another gets the next free second's id. Not in check mode.
+    type: bool
+    default: false
+  model_template:
+    description: Override of the model's chat template.
+    type: str
+    default: ""
+  finetuning_type:
+    description: Override of the fine-tuning type (lora, freeze, full).
+    type: str
+    default: ""
+  lora_target:
+    description: Override of the LoRA target modules.
+    type: str
+    default: ""
+  cutoff_len:
+    description: Override of the cutoff length, an integer >= 1 (0 keeps the catalogue's).
+    type: raw
+    default: 0
+  model_params_b:
+    description:
+      - The model's size in billions of parameters ("" = the catalogue's, or counted from
+        config.json).
+    type: raw
+    default: ""
+  trust_remote_code:
+    description: Run the model's own modelling code (needed when its config.json has auto_map).
+    type: raw
+    default: false
+  deepspeed:
+    description:
+      - auto, none, zero0, zero1, zero2, zero2_offload, zero3, zero3_offload or fsdp (default
+        training_deepspeed).
+    type: str
+  quantization_bit:
+    description:
+      - 4 trains QLoRA (LoRA on 4-bit frozen weights, bitsandbytes); 0 (default) lets the planner
+        choose QLoRA only for a LoRA run whose bf16 weights fit the GPU only offloaded.
+    type: raw
+    default: 0
+  numerics:
+    description:
+      - measured (the search may choose a change of numerics measured to follow fp32 AdamW's
+        loss, such as 8-bit AdamW or a QLoRA fallback) or exact (none); "" = training_numerics.
+    type: str
+    default: ""
+  train_args:
+    description: LLaMA-Factory training arguments (a mapping) that win over every default.
+    type: raw
+    default: {}
+  tokens_per_step:
+    description:
+      - Tokens per process per optimizer step, an integer >= 1 (default training_tokens_per_step).
+    type: raw
+  allow_slow_scaling:
+    description:
+      - Train even where the cost model predicts that the nodes would train slower than fewer
+        nodes, or below 60 % of linear scaling (otherwise refused before launch).
+    type: raw
+    default: false
+  fp8:
+    description:
+      - Train in FP8 (torchao float8 linear layers) on GPUs of compute capability 8.9 or newer,
+        with plain DDP and torchao installed on every node (llamafactory_extras); refused
+        elsewhere, naming the nodes.
+    type: raw
+    default: false
+  max_restarts:
+    description: Restarts allowed after a failure, an integer >= 0 (recorded in the plan).
+    type: raw
+    default: 0
+  dataset:
+    description:
+      - Catalogue dataset names, comma-separated ("" = datasets_default, unless O(dataset_file)).
+    type: str
+    default: ""
+  dataset_file:
+    description: A dataset file on the controller, instead of (or added to) catalogue entries.
+    type: str
+    default: ""
+  dataset_format:
+    description: Format of O(dataset_file), a key of datasets_formats (alpaca, sharegpt, openai).
+    type: str
+    default: alpaca
+  dataset_skip_invalid:
+    description:
+      - Train on the valid records of a dataset that has invalid ones (written to
+        controller_runs_dir/datasets/) instead of failing (default dataset_skip_invalid).
+    type: raw
+author: llama-cluster
+"""
+
+EXAMPLES = r"""
+- name: Train | Check the request and plan the run
+  llama.cluster.run_plan:
+    model: "{{ model | default('') }}"
+    dataset: "{{ dataset | default('') }}"
+  register: planned
+"""
+
+RETURN = r"""
+plan:
+  description:
+    - The run (roles/run_config renders it), with model (model.path is train.yaml's
+      model_name_or_path) and model_stage, the staging request. Absent with read_on_master.
+  type: dict
+read_on_master:
+  description:
+    - With O(ask_master), the config.json to read on the master, for a model on shared storage that
+      the controller does not mount; nothing was planned.
+  type: str
+notes:
+  description: Where the model comes from, what a dataset check left out, then the plan's summary.
+  type: list
+"""

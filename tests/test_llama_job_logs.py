@@ -1,0 +1,53 @@
+"""llama-job's logs.py: what a node's log and rank 0's trainer log say (the error lines, the exit
+status a launcher reports, the stall rule, environment files)."""
+
+from __future__ import annotations
+
+from ansible_collections.llama.cluster.plugins.module_utils.llama_job import (
+    logs,
+    protocol,
+)
+from ansible_collections.llama.cluster.plugins.module_utils.llama_job import spec as job_spec
+
+
+def test_a_stall_needs_the_floor_or_ten_median_steps():
+    timeouts = {**job_spec.DEFAULT_TIMEOUTS, "stall_floor": 600, "stall_factor": 10}
+    assert logs.stall_limit([], timeouts, seen_any=False) == timeouts["stall_startup"]
+    assert logs.stall_limit([1.0, 2.0, 100.0], timeouts, seen_any=True) == 600
+    assert logs.stall_limit([90.0, 100.0, 110.0], timeouts, seen_any=True) == 1000
+
+
+def test_first_error_lines_skip_the_supervisor_and_warnings():
+    text = "\n".join(
+        [
+            "[llama-job m 10:00:00Z] attempt 1: starting x",
+            "loading model",
+            "  warnings.warn('deprecated')",
+            "RuntimeError: Expected a string, got None",
+            "subprocess.CalledProcessError: returned non-zero exit status 1.",
+        ]
+    )
+    assert logs.first_error_lines(text) == [
+        "RuntimeError: Expected a string, got None",
+        "subprocess.CalledProcessError: returned non-zero exit status 1.",
+    ]
+    assert logs.first_error_lines("a\nb") == ["a", "b"]
+
+
+def test_the_exit_status_a_launcher_reports_is_read_from_its_output():
+    # torchrun, once a rank was killed: its elastic agent's line, then ChildFailedError's summary.
+    text = (
+        "E1201 11:32:46 api.py:986] failed (exitcode: -9) local_rank: 0 (pid: 8393) of binary\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"
+        "  exitcode  : -9 (pid: 8393)\n"
+    )
+    assert logs.reported_exit_status(text) == -9
+    assert protocol.describe_exit(logs.reported_exit_status(text)) == "killed by signal 9 (SIGKILL)"
+    assert logs.reported_exit_status("exitcode : 0\nChildFailedError") is None
+    assert logs.reported_exit_status("ChildFailedError: rank 1 died") is None
+
+
+def test_environment_files_read_as_systemd_reads_them():
+    env = logs.read_env_file('# comment\nA="1 2"\nB=plain\nC=""\n')
+    assert env == {"A": "1 2", "B": "plain", "C": ""}
+    assert logs.expand("--nnodes=${A}/${MISSING}", env) == "--nnodes=1 2/"
