@@ -10,6 +10,8 @@ import base64
 import hashlib
 import json
 import shutil
+import subprocess
+import tempfile
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -29,11 +31,16 @@ from ansible_collections.llama.cluster.plugins.module_utils.planner.assembly imp
     new_run_id,
 )
 from ansible_collections.llama.cluster.plugins.module_utils.planner.model import (
+    MAX_ANSWER_BYTES,
     TOKEN_VARIABLE,
     find_model,
+    model_stage_answer,
+    model_stage_headers,
     model_stage_probe,
+    model_stage_reached,
     model_stage_source,
     model_stage_token_policy,
+    model_stage_unpinned,
     resolve_model,
 )
 from ansible_collections.llama.cluster.plugins.module_utils.planner.nodes import (
@@ -58,8 +65,14 @@ description:
     directory of the controller is read where it is (and rsync must be there to copy it). A hub
     id is asked for with one GET of config.json at its endpoint, which pins the revision to the
     hub's commit; the Hugging Face token is sent to huggingface.co only, or to any endpoint with
-    hf_token_to_endpoint=true. A directory on shared storage is read on the controller, or from
+    hf_token_to_endpoint=true. Where the controller gets no answer, the master is asked
+    (O(ask_master), O(hub_answer)); where neither gets one, a catalogue model is planned with the
+    config its entry carries (any model with O(model_params_b)), and the plan says that its
+    revision is not pinned. A directory on shared storage is read on the controller, or from
     O(shared_config) where only the nodes mount it.
+  - In check mode (train.yml --check) nothing is made. No run directory is claimed, a generated
+    model not made yet is planned with the config.json it will have (made in a temporary
+    directory, removed at once), and the plan's first line names no run.
   - Each dataset (datasets_catalogue, or O(dataset_file)) is checked record by record with
     llama.cluster.llama_dataset_check on the controller.
   - Returns C(plan), the plan every node renders (roles/run_config), with C(plan.model), the
@@ -102,8 +115,19 @@ options:
         O(shared_config), returns C(read_on_master) (that config.json's path) instead of failing,
         and plans nothing; the play reads it on the master and calls the action again with
         O(shared_config) (train.yml does). false refuses, naming the master.
+      - true, for a hub id the controller gets no answer about (no connection, or a 5xx),
+        returns C(hub_on_master) instead, and plans nothing; the play asks the hub from the
+        master and calls the action again with O(hub_answer) (train.yml does). false plans
+        without the hub where the size is known (see the description), else refuses.
     type: bool
     default: false
+  hub_answer:
+    description:
+      - The hub's answer to the master's GET of C(hub_on_master.url), as ansible.builtin.uri
+        registered it, reduced by the filter llama.cluster.model_stage_answer (no request
+        headers, so no token); {} = the master was not asked.
+    type: raw
+    default: {}
   probe_model:
     description:
       - false plans from the catalogue alone, offline (no hub request, nothing generated, no
@@ -212,6 +236,12 @@ read_on_master:
     - With O(ask_master), the config.json to read on the master, for a model on shared storage that
       the controller does not mount; nothing was planned.
   type: str
+hub_on_master:
+  description:
+    - With O(ask_master), the GET the master makes for a hub id that the controller got no answer
+      about; nothing was planned. C(url), C(token_variable) (the variable holding the hub's
+      token) and C(send_token) (whether the token may go to that endpoint).
+  type: dict
 notes:
   description: Where the model comes from, what a dataset check left out, then the plan's summary.
   type: list
@@ -232,8 +262,6 @@ TINY_MODEL_FLAGS = {
     "tiny_model_hidden_size": "--hidden",
     "tiny_model_corpus_lines": "--lines",
 }
-# The hub's config.json is a few kB; a larger answer is not one.
-MAX_ANSWER_BYTES = 4 << 20
 
 # A run planned in a second that another run of this controller holds takes a later one.
 CLAIM_SECONDS = 60
@@ -244,11 +272,12 @@ class Refused(Exception):
 
 
 class MasterRead(Exception):
-    """The plan needs a config.json that only the master has (O(ask_master))."""
+    """The plan needs what only the master can read (O(ask_master)): a shared model's config.json
+    (read_on_master), or the hub's answer (hub_on_master)."""
 
-    def __init__(self, path: str) -> None:
-        super().__init__(path)
-        self.path = path
+    def __init__(self, key: str, value: object) -> None:
+        super().__init__(key)
+        self.key, self.value = key, value
 
 
 def claim_run_id(runs_dir: Path, stamp: str, model: str) -> str:
@@ -361,7 +390,7 @@ class ActionModule(ActionBase):
         try:
             plan, notes = self._plan(asked)
         except MasterRead as read:
-            return {**result, "changed": self._changed, "read_on_master": read.path}
+            return {**result, "changed": self._changed, read.key: read.value}
         except Refused as err:
             return {**result, "failed": True, "changed": self._changed, "msg": str(err)}
         except AnsibleError as err:  # the planner's PlanError, the inventory's filter errors
@@ -409,7 +438,14 @@ class ActionModule(ActionBase):
         )
         if staging is not None:
             plan["model_stage"] = staging
-        if asked["claim_run_id"] and not plan["resume"] and not self._task.check_mode:
+        if self._task.check_mode:
+            # Nothing is claimed: the id is what a run started now would be called.
+            planned = f"Run {plan['run_id']}:"
+            plan["summary"] = [
+                line.replace(planned, "Plan only (--check, no run started):")
+                for line in plan["summary"]
+            ]
+        elif asked["claim_run_id"] and not plan["resume"]:
             self._claim(plan, request)
         return plan, notes + plan["summary"]
 
@@ -453,6 +489,9 @@ class ActionModule(ActionBase):
         self, asked: Mapping[str, Any], entry: Mapping[str, Any]
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """The staging request (no secrets in it) and the model's parsed config.json."""
+        # The config a catalogue entry carries describes its own path, not another one.
+        own = asked["model_path"] in ("", entry.get("path"))
+        carried = dict(entry.get("config") or {}) if own else {}
         overrides = {"path": asked["model_path"], "revision": asked["model_revision"]}
         entry = {**entry, **{k: v for k, v in overrides.items() if v}}
         if asked["model_shared"]:
@@ -474,10 +513,12 @@ class ActionModule(ActionBase):
         )
         if request["error"]:
             raise Refused(request["error"])
+        if request["generated"] and self._task.check_mode:
+            return self._not_generated(request)
         if request["generated"]:
             self._generate(request["source"])
         if request["kind"] == "hub":
-            request = self._ask_hub(request, hub_dir)
+            request = self._ask_hub(request, hub_dir, asked, carried)
             config = request["config"]
         elif request["kind"] == "controller":
             config = self._controller_config(request)
@@ -486,22 +527,57 @@ class ActionModule(ActionBase):
         staging = {k: v for k, v in request.items() if k not in ("config", "error")}
         return staging, config
 
-    def _generate(self, directory: str) -> None:
-        """Make the generated model on the controller with scripts/make_tiny_model.py, once."""
+    def _not_generated(self, request: Mapping[str, Any]) -> tuple[dict[str, Any], dict]:
+        """A generated model in check mode: its config.json where it was made before; else the
+        config.json it will have, made in a temporary directory that is removed at once (the
+        plan depends on its shape: the go/no-go does)."""
+        path = Path(request["source"]) / "config.json"
+        staging = {k: v for k, v in request.items() if k != "error"}
+        if path.is_file():
+            return staging, parse_config(path.read_text(errors="replace"), request)
+        with tempfile.TemporaryDirectory(prefix="llama-plan-") as scratch:
+            made = subprocess.run(
+                self._tiny_argv(f"{scratch}/tiny"),
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if made.returncode != 0:
+                self._tiny_failed(request["source"], (made.stderr or made.stdout).strip())
+            config = parse_config(Path(scratch, "tiny", "config.json").read_text(), request)
+        staging["summary"] = (
+            f"{request['source']} (not made yet: a real run generates it on the controller with "
+            f"{TINY_MODEL_SCRIPT}), copied to {request['path']} on every node that lacks it"
+        )
+        return staging, config
+
+    def _tiny_argv(self, directory: str) -> list[str]:
+        """The command line that makes the generated model in `directory`."""
         script = Path(self._var("project_dir")) / TINY_MODEL_SCRIPT
         argv = [str(self._var("tiny_model_python")), str(script), directory]
-        argv += [f"{flag}={self._var(name)}" for name, flag in TINY_MODEL_FLAGS.items()]
+        return argv + [f"{flag}={self._var(name)}" for name, flag in TINY_MODEL_FLAGS.items()]
+
+    @staticmethod
+    def _tiny_failed(directory: str, output: str) -> None:
+        """Refuse a generated model that its script could not make."""
+        lines = output.splitlines()
+        raise Refused(
+            f"The tiny model could not be generated in {directory} on the controller: "
+            f"{lines[-1] if lines else 'no output'}"
+        )
+
+    def _generate(self, directory: str) -> None:
+        """Make the generated model on the controller with scripts/make_tiny_model.py, once."""
         made = self._execute_module(
             module_name="ansible.builtin.command",
-            module_args={"argv": argv, "creates": f"{directory}/tiny_model.json"},
+            module_args={
+                "argv": self._tiny_argv(directory),
+                "creates": f"{directory}/tiny_model.json",
+            },
             task_vars=self._vars,
         )
         if made.get("failed"):
-            output = (made.get("stderr") or made.get("msg") or "").strip().splitlines()
-            raise Refused(
-                f"The tiny model could not be generated in {directory} on the controller: "
-                f"{output[-1] if output else 'no output'}"
-            )
+            self._tiny_failed(directory, (made.get("stderr") or made.get("msg") or "").strip())
         self._changed |= bool(made.get("changed"))
 
     def _controller_config(self, request: Mapping[str, Any]) -> dict[str, Any]:
@@ -531,37 +607,54 @@ class ActionModule(ActionBase):
         if path.is_file():
             return parse_config(path.read_text(errors="replace"), request)
         if not slurped and ask_master:
-            raise MasterRead(str(path))
+            raise MasterRead("read_on_master", str(path))
         if not slurped:
-            master = (self._var("groups").get("master") or ["the master"])[0]
             raise Refused(
                 f"Model {request['name']}: {request['source']}/config.json is neither on the "
-                f"controller nor on the master ({master}): model_shared means that the "
+                f"controller nor on the master ({self._master()}): model_shared means that the "
                 "directory is at that path on every node."
             )
         return parse_config(base64.b64decode(slurped).decode("utf-8", "replace"), request)
 
-    def _ask_hub(self, request: Mapping[str, Any], hub_dir: str) -> dict[str, Any]:
-        """The request pinned to the hub's commit, with config.json: one GET at the endpoint,
-        with the token where it may go (never in the result or a log)."""
+    def _master(self) -> str:
+        """The master's inventory name."""
+        return (self._var("groups").get("master") or ["the master"])[0]
+
+    def _ask_hub(
+        self,
+        request: Mapping[str, Any],
+        hub_dir: str,
+        asked: Mapping[str, Any],
+        carried: Mapping[str, Any],
+    ) -> dict[str, Any]:
+        """The request pinned to the hub's commit, with config.json: one GET at the endpoint, with
+        the token where it may go (never in the result or a log). Where the controller gets no
+        answer, the master's (asked for with MasterRead, given back as O(hub_answer)); where
+        neither gets one, the request unpinned with `carried` (the catalogue's config) or the
+        size given, else refused."""
         hub = request["hub"]
         token = str(self._var(TOKEN_VARIABLE[hub], "") or "")
         policy = model_stage_token_policy(
             hub, request["endpoint"], bool(token), self._var("hf_token_to_endpoint", False)
         )
-        if not policy["send"]:
-            token = ""
-        headers = (
-            {"Authorization": f"Bearer {token}", "Cookie": f"m_session_id={token}"} if token else {}
-        )
-        answer = hub_answer(
-            request["probe_url"],
-            headers,
-            float(self._var("hub_probe_timeout")),
-            str(self._var("hub_ca_bundle", "") or ""),
-        )
-        pinned = model_stage_probe(request, answer, bool(token), hub_dir, policy["note"])
-        note = policy["note"]
+        sent, note = bool(token) and policy["send"], policy["note"]
+        answer, asker = model_stage_answer(asked["hub_answer"]), f"the master {self._master()}"
+        if not answer:
+            asker = "the controller"
+            answer = hub_answer(
+                request["probe_url"],
+                model_stage_headers(token, policy["send"]),
+                float(self._var("hub_probe_timeout")),
+                str(self._var("hub_ca_bundle", "") or ""),
+            )
+            if not model_stage_reached(answer) and asked["ask_master"]:
+                ask = {"url": request["probe_url"], "token_variable": TOKEN_VARIABLE[hub]}
+                raise MasterRead("hub_on_master", {**ask, "send_token": sent})
+        sized = asked["model_params_b"] not in ("", None)
+        if not model_stage_reached(answer) and (carried or sized):
+            self._token_note = note
+            return model_stage_unpinned(request, carried, answer, asker)
+        pinned = model_stage_probe(request, answer, sent, hub_dir, note, asker=asker)
         if pinned["error"]:
             raise Refused(
                 pinned["error"] + (f" ({note})" if note and note not in pinned["error"] else "")
