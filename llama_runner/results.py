@@ -296,6 +296,7 @@ class RunResult:
     progress: TrainProgress | None = None  # the last one seen
     controller_dir: Path | None = None  # where the run's logs, plots and exports came back to
     runs: tuple[RunStatus, ...] = ()  # status(): where each run stands
+    plan: tuple[str, ...] = ()  # plan(): the plan's lines (train.yml --check)
     events: list[Event] = field(default_factory=list, repr=False)
 
     @property
