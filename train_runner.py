@@ -5,6 +5,7 @@
     cluster.provision()
     result = cluster.train("tiny", on_event=print)
     print(result.summary.final_loss, result.summary.loss_plot)
+    print("\n".join(cluster.plan("qwen-7b").plan))  # the plan only (train.yml --check)
 
 Each call is one ansible-runner run of one playbook (ansible-runner starts ansible-playbook with
 the project's ansible.cfg); artifacts go to .runner/artifacts/<ident>/ (the oldest rotated away),
@@ -12,8 +13,8 @@ results come from Ansible's events and stats, and failures raise typed exception
 failing host, task and message. The code lives in llama_runner/ (api, results, errors, events,
 status, cli); this file is the entry point and re-exports its API.
 
-CLI: python train_runner.py {lab,provision,check,train,scaling,status,attach,stop,logs,export,
-     run} --help
+CLI: python train_runner.py {lab,provision,check,train,plan,scaling,status,attach,stop,logs,
+     export,run} --help
 Exit codes: 0 success, 1 a playbook failed, 2 bad input (a validation play, an argument spec or
 the command line rejected it), 3 a host was unreachable, 130 interrupted (Ctrl-C or SIGTERM).
 """

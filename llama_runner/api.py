@@ -89,6 +89,28 @@ def _with_run_id(run_id: str | None) -> dict[str, Any]:
     return {"run_id": run_id} if run_id else {}
 
 
+def _train_vars(
+    model: str | None,
+    dataset: str | None,
+    resume: bool,
+    run_id: str | None,
+    overrides: Mapping[str, object],
+    **named: object,
+) -> dict[str, Any]:
+    """train.yml's extra variables for train() and plan() (`named`: their other arguments);
+    InvalidInput for a request without a model, or overrides that repeat a named argument."""
+    if not resume and not (model and isinstance(model, str)):
+        raise InvalidInput("model must be a catalogue name such as 'tiny'")
+    extravars: dict[str, Any] = {"resume": resume, **named}
+    extravars |= {"model": model} if model else {}
+    extravars |= {"dataset": dataset} if dataset else {}
+    extravars |= _with_run_id(run_id)
+    clash = set(overrides) & set(extravars)
+    if clash:
+        raise InvalidInput(f"overrides repeat named arguments: {', '.join(sorted(clash))}")
+    return extravars | dict(overrides)
+
+
 class Cluster:
     """A llama-cluster inventory, and the playbooks that act on it.
 
@@ -181,16 +203,7 @@ class Cluster:
         run is interrupted once ranks may have started, the cluster is asked to stop it (stop.yml)
         unless `detach`, and RunInterrupted says whether it was.
         """
-        if not resume and not (model and isinstance(model, str)):
-            raise InvalidInput("model must be a catalogue name such as 'tiny'")
-        extravars: dict[str, Any] = {"resume": resume, "detach": detach}
-        extravars |= {"model": model} if model else {}
-        extravars |= {"dataset": dataset} if dataset else {}
-        extravars |= _with_run_id(run_id)
-        clash = set(overrides) & set(extravars)
-        if clash:
-            raise InvalidInput(f"overrides repeat named arguments: {', '.join(sorted(clash))}")
-        extravars |= overrides
+        extravars = _train_vars(model, dataset, resume, run_id, overrides, detach=detach)
         try:
             return self.run_playbook(
                 PLAYBOOKS["train"], extravars, on_event=on_event, on_progress=on_progress
@@ -202,6 +215,32 @@ class Cluster:
             # Without the run id (not seen yet), stop.yml stops the latest run: train.yml
             # refuses to start while another one runs.
             raise self._stop_after_interrupt(interrupted) from interrupted
+
+    def plan(
+        self,
+        model: str | None = None,
+        dataset: str | None = None,
+        *,
+        resume: bool = False,
+        run_id: str | None = None,
+        on_event: EventCallback | None = None,
+        **overrides: object,
+    ) -> RunResult:
+        """What train() with these arguments would run, planned without training: train.yml in
+        check mode (`ansible-playbook train.yml --check`).
+
+        The result's `plan` holds the plan's lines (the model and where it comes from, stage,
+        batch, the runner-up and why it lost, the go/no-go, memory and disk); its `run_id` is
+        None: nothing was started, no run directory claimed, no node written to (the nodes' GPU
+        facts are read where none are cached). A request that train() would refuse raises the
+        same error here (InvalidInput naming the problem).
+        """
+        extravars = _train_vars(model, dataset, resume, run_id, overrides)
+        result = self.run_playbook(PLAYBOOKS["train"], extravars, on_event=on_event, check=True)
+        result.plan = tuple(
+            str(line) for line in result.data.get("llama_plan", {}).get("lines", ())
+        )
+        return result
 
     def scaling(
         self,
@@ -383,11 +422,13 @@ class Cluster:
         on_event: EventCallback | None = None,
         on_progress: ProgressCallback | None = None,
         shield: bool = False,
+        check: bool = False,
     ) -> RunResult:
         """Run one playbook (relative to the project, or absolute) and return its result.
 
         `inventory=False` runs it without -i (localhost-only playbooks). `shield` makes a
         KeyboardInterrupt leave the run alone (used for the stop that follows an interrupt).
+        `check` runs it in check mode (--check).
         """
         playbook_path = self.project_dir / playbook
         if not playbook_path.is_file():
@@ -410,7 +451,9 @@ class Cluster:
             collector = self._collector = EventCollector(
                 on_event or self.on_event, on_progress or self.on_progress, self.cancel
             )
-            return self._run(playbook_path, extravars or {}, inventory, collector, shield=shield)
+            return self._run(
+                playbook_path, extravars or {}, inventory, collector, shield=shield, check=check
+            )
         finally:
             self._busy.release()
 
@@ -422,6 +465,7 @@ class Cluster:
         collector: EventCollector,
         *,
         shield: bool,
+        check: bool = False,
     ) -> RunResult:
         verb = playbook.stem
         ident = f"{verb}-{datetime.now(UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
@@ -447,7 +491,8 @@ class Cluster:
                 playbook=str(playbook),
                 inventory=str(self.inventory) if inventory else None,
                 extravars=public,
-                cmdline=secrets.argument or None,
+                cmdline=" ".join(filter(None, [secrets.argument, "--check" if check else ""]))
+                or None,
                 envvars=self._envvars(),
                 ident=ident,
                 rotate_artifacts=self.keep_artifacts,

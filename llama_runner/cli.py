@@ -314,6 +314,9 @@ def _report_result(console: Console, result: RunResult, *, as_json: bool) -> Non
     console.print(_recap(result))
     if result.job is not None:
         console.print(_status_panel(result.job))
+    if result.plan:
+        text = Text("\n".join(result.plan))
+        console.print(Panel(text, title="plan only (--check): nothing was changed", expand=False))
     if result.summary:
         console.print(_summary_panel(result.summary))
     elif result.run_id:
@@ -425,6 +428,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--run-id", help="with --resume: the run to continue (default: latest)")
     train.add_argument("--resume", action="store_true", help="resume from the last checkpoint")
     train.add_argument("--detach", action="store_true", help="return once every rank started")
+    plan = sub.add_parser(
+        "plan", parents=[extra], help="the plan of a run, without training (train.yml --check)"
+    )
+    plan.add_argument("--model", help="catalogue name, e.g. tiny, qwen-7b (not with --resume)")
+    plan.add_argument("--dataset")
+    plan.add_argument("--run-id", help="with --resume: the run to continue (default: latest)")
+    plan.add_argument("--resume", action="store_true", help="the plan of a resumed run")
     scaling = sub.add_parser(
         "scaling", parents=[extra], help="train the plan on every node, then on one: tokens/s"
     )
@@ -460,6 +470,9 @@ def _dispatch(cluster: Cluster, args: argparse.Namespace) -> RunResult | Scaling
             detach=args.detach,
             run_id=args.run_id,
             **extravars,
+        ),
+        "plan": lambda: cluster.plan(
+            args.model, args.dataset, resume=args.resume, run_id=args.run_id, **extravars
         ),
         "scaling": lambda: cluster.scaling(args.model, args.dataset, steps=args.steps, **extravars),
         "status": lambda: cluster.status(args.run_id),

@@ -248,6 +248,7 @@ class RunResult:
     progress: TrainProgress | None = None  # the last one seen
     controller_dir: Path | None = None  # where the run's logs, plots and exports came back to
     job: JobStatus | None = None  # status(), attach(): where the run's job stands
+    plan: tuple[str, ...] = ()  # plan(): the plan's lines (train.yml --check)
     events: list[Event] = field(default_factory=list, repr=False)
 
     @property

@@ -161,6 +161,105 @@ def test_a_failed_probe_names_the_model_and_the_endpoint(
     assert error.endswith("Nothing was changed on any node.")
 
 
+REFUSED = {
+    "status": -1,
+    "msg": "Status code was -1 and not [200]: Request failed: <urlopen error [Errno 111] "
+    "Connection refused>",
+}
+
+
+def test_an_unreachable_hub_asked_from_the_master_too_names_both_and_the_way_around() -> None:
+    request = source({"path": "Qwen/Qwen3-8B"})
+    error = stage.model_stage_probe(request, REFUSED, False, "/hub", asker="the master gpu1")[
+        "error"
+    ]
+    assert (
+        "the endpoint is unreachable from the controller, and from the master gpu1 ([Errno 111]"
+        in (error)
+    )
+    assert "Without the hub, -e model_params_b=<billions> plans it from its size." in error
+    # A hub that answered (a 404) is not a way around: the model is not there.
+    missing = _probed({"status": 404, "x_error_code": "RepoNotFound"})["error"]
+    assert "Without the hub" not in missing
+
+
+def test_the_masters_answer_keeps_what_the_probe_reads_and_never_the_request() -> None:
+    registered = {
+        "status": 200,
+        "content": "{}",
+        "x_repo_commit": COMMIT,
+        "changed": False,
+        "invocation": {"module_args": {"headers": {"Authorization": "Bearer hf_secret"}}},
+    }
+    answer = stage.model_stage_answer(registered)
+    assert answer == {"status": 200, "content": "{}", "x_repo_commit": COMMIT}
+    # A config.json is a few kB: a larger answer is kept no further than the controller reads.
+    flood = stage.model_stage_answer({"status": 200, "content": "x" * (5 << 20)})
+    assert len(flood["content"]) == stage.MAX_ANSWER_BYTES
+    # Not asked (the task was skipped, or nothing was given): no answer at all.
+    for none in ({"skipped": True, "changed": False}, {}, None, ""):
+        assert stage.model_stage_answer(none) == {}
+    # A master that did not answer: an answer without a connection, that says why.
+    lost = {"unreachable": True, "msg": "Failed to connect to the host via ssh: timed out"}
+    assert stage.model_stage_answer(lost) == {
+        "status": -1,
+        "msg": "Request failed: the master did not answer: Failed to connect to the host via "
+        "ssh: timed out",
+    }
+
+
+def test_the_token_rides_in_the_headers_only_where_it_may_go() -> None:
+    assert stage.model_stage_headers("hf_x") == {
+        "Authorization": "Bearer hf_x",
+        "Cookie": "m_session_id=hf_x",
+    }
+    for token, send in (("hf_x", False), ("hf_x", "false"), ("", True), (None, True)):
+        assert stage.model_stage_headers(token, send) == {}
+
+
+@pytest.mark.parametrize(
+    ("status", "reached"),
+    [
+        *((status, False) for status in (-1, 0, None, "x", 500, 502, 503)),
+        *((status, True) for status in (200, 401, 404)),
+    ],
+)
+def test_no_connection_or_a_gateways_error_is_no_answer(status: object, reached: bool) -> None:
+    assert stage.model_stage_reached({"status": status}) is reached
+
+
+def test_without_the_hub_a_catalogue_model_is_planned_unpinned_and_says_so() -> None:
+    request = source({"path": "Qwen/Qwen3-8B"})
+    config = {"model_type": "qwen3", "hidden_size": 4096}
+    unpinned = stage.model_stage_unpinned(request, config, REFUSED, "the controller")
+    assert (unpinned["error"], unpinned["commit"], unpinned["config"]) == ("", "", config)
+    assert unpinned["path"] == "/opt/llama-cluster/models/hub/huggingface/Qwen--Qwen3-8B/main"
+    assert unpinned["summary"] == (
+        "Qwen/Qwen3-8B from https://hf-mirror.com (huggingface), revision main, not pinned to a "
+        "commit: the controller gets no answer from the hub ([Errno 111] Connection refused); "
+        "planned with the config that group_vars/all/models.yml carries. Each node downloads "
+        "main as the hub serves it when its download starts, into "
+        "/opt/llama-cluster/models/hub/huggingface/Qwen--Qwen3-8B/main (a node that has that "
+        "directory keeps its snapshot), so nodes can hold different commits: "
+        "-e model_revision=<commit> gives every node the same one"
+    )
+    # Asked from the master as well, which got a gateway's error; the size alone, no config.
+    sized = stage.model_stage_unpinned(request, {}, {"status": 503}, "the master gpu1")
+    assert (
+        "neither the controller nor the master gpu1 gets an answer from the hub (the master "
+        "gpu1: HTTP 503); planned from the size given (-e model_params_b), without config.json"
+    ) in sized["summary"]
+
+
+def test_without_the_hub_a_commit_given_as_the_revision_is_pinned() -> None:
+    request = source({"path": "Qwen/Qwen3-8B", "revision": COMMIT})
+    pinned = stage.model_stage_unpinned(request, {"model_type": "qwen3"}, REFUSED, "the controller")
+    assert pinned["commit"] == COMMIT
+    assert pinned["path"] == f"/opt/llama-cluster/models/hub/huggingface/Qwen--Qwen3-8B/{COMMIT}"
+    assert "not pinned" not in pinned["summary"]
+    assert f"revision {COMMIT} (a commit)" in pinned["summary"]
+
+
 @pytest.mark.parametrize(
     ("endpoint", "to_endpoint", "send"),
     [
@@ -312,11 +411,13 @@ print(json.dumps(seen))
     assert 5.0 < seen["loss"] < 7.0, "an untrained 400-token model starts near ln(400) = 6.0"
 
 
-def test_an_unreachable_modelscope_fails_on_the_controller_naming_endpoint_and_model(
+def test_an_unreachable_modelscope_refuses_a_model_outside_the_catalogue_naming_it(
     tmp_path: Path,
 ) -> None:
     # TEST-NET nodes: a request that got past the probe would fail on "unreachable" instead.
-    # (The same for Hugging Face, with a look at the nodes: molecule/train/tests/test_models.py.)
+    # The controller gets no answer, so the master is asked, and it does not answer either. (A
+    # catalogue model is planned with its catalogue's config instead: tests/test_run_plan_action.py;
+    # Hugging Face, with a look at the nodes: molecule/train/tests/test_models.py.)
     inventory = tmp_path / "inventory.yml"
     node = '{"ansible_host": "192.0.2.%d", "cluster_accelerator": "cpu", "nproc_per_node": 1}'
     inventory.write_text(
@@ -324,7 +425,8 @@ def test_an_unreachable_modelscope_fails_on_the_controller_naming_endpoint_and_m
         f"        master:\n          hosts:\n            a: {node % 1}\n"
         f"        workers:\n          hosts:\n            b: {node % 2}\n"
     )
-    request = ["-e", "model=qwen2.5-7b", "-e", "model_hub=modelscope"]
+    request = ["-e", "model=mine", "-e", "model_path=Qwen/Qwen2.5-7B-Instruct"]
+    request += ["-e", "model_template=qwen", "-e", "model_hub=modelscope"]
     endpoint = ["-e", "modelscope_endpoint=http://127.0.0.1:9"]
     done = subprocess.run(
         [str(ANSIBLE_PLAYBOOK), "-i", str(inventory), "train.yml", *request, *endpoint],
@@ -332,13 +434,16 @@ def test_an_unreachable_modelscope_fails_on_the_controller_naming_endpoint_and_m
         capture_output=True,
         text=True,
         check=False,
-        env={"ANSIBLE_NOCOLOR": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+        # A master at a TEST-NET address that drops packets fails in seconds, not in 30.
+        env={"ANSIBLE_NOCOLOR": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+        | {"ANSIBLE_TIMEOUT": "5"},
     )
     out = " ".join((done.stdout + done.stderr).split())
     assert done.returncode != 0
     assert (
-        "Model qwen2.5-7b: (Qwen/Qwen2.5-7B-Instruct, revision master, at http://127.0.0.1:9) "
-        "the endpoint is unreachable from the controller" in out
+        "Model mine: (Qwen/Qwen2.5-7B-Instruct, revision master, at http://127.0.0.1:9) the "
+        "endpoint is unreachable from the controller, and from the master a (the master did not "
+        "answer: " in out
     ), out[-2000:]
     assert "Check modelscope_endpoint" in out
     assert "Train | Prepare every node" not in out, "a node was contacted"

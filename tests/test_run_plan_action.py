@@ -1,10 +1,12 @@
 """The action that plans a new run (llama.cluster.run_plan), in the pieces that
 tests/test_train_validation.py does not reach: its argument spec, the dataset list, the hub's
-answer and where the token may go (a stand-in hub on 127.0.0.1), a model on shared storage read
-from the master, and the tiny model generated once.
+answer and where the token may go (a stand-in hub on 127.0.0.1), a hub the controller cannot
+reach (asked from the master, or planned with the catalogue's config), a model on shared storage
+read from the master, the tiny model generated once, and train.yml --check (the plan alone).
 
 The playbook runs use TEST-NET nodes (192.0.2.0/24) that nothing answers: train.yml's first play
-and the action run on the controller only.
+and the action run on the controller only. Where the master must answer (it asks the hub), it is
+this machine (a local connection).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import ClassVar
+from urllib.parse import urlsplit
 
 import pytest
 from ansible_collections.llama.cluster.plugins.action import run_plan as action
@@ -120,8 +123,10 @@ class _Hub(BaseHTTPRequestHandler):
         pass
 
     def do_GET(self) -> None:
-        self.seen.append((self.path, self.headers.get("Authorization", "")))
-        if self.path == "/org/mine/resolve/main/config.json":
+        # A proxy is asked for the whole URL: the master reaches the hub through it.
+        path = urlsplit(self.path).path
+        self.seen.append((path, self.headers.get("Authorization", "")))
+        if path == "/org/mine/resolve/main/config.json":
             body, status = json.dumps(CONFIG).encode(), 200
             headers = {"X-Repo-Commit": COMMIT}
         else:
@@ -155,35 +160,67 @@ def test_the_hubs_answer_is_shaped_as_the_uri_module_registers_it(hub: str) -> N
 
 
 # ---- through train.yml's first play, on the controller -------------------------------------
-def _inventory(tmp: Path) -> Path:
+def _inventory(
+    tmp: Path, master: str = NODE % "192.0.2.1", worker: str = NODE % "192.0.2.2"
+) -> Path:
     path = tmp / "inventory.yml"
     path.write_text(
         "all:\n  children:\n    cluster:\n      children:\n"
-        f"        master:\n          hosts:\n            a: {NODE % '192.0.2.1'}\n"
-        f"        workers:\n          hosts:\n            b: {NODE % '192.0.2.2'}\n"
+        f"        master:\n          hosts:\n            a: {master}\n"
+        f"        workers:\n          hosts:\n            b: {worker}\n"
     )
     return path
 
 
-def _playbook(tmp: Path, playbook: str | Path, *extra: str) -> tuple[int, str]:
+def _gpu_node(**settings: object) -> str:
+    """A node with one 24 GiB GPU in its facts (the planner searches stages and batches)."""
+    gpus = [{"index": 0, "memory_mib": 24564}]
+    facts = {"llama_host": {"gpus": gpus, "gpu_count": 1}}
+    node = {"cluster_accelerator": "nvidia", "nproc_per_node": 1, "ansible_local": facts}
+    return json.dumps({**node, **settings})
+
+
+# The master as this machine: the GET it makes for the controller runs here.
+LOCAL_MASTER = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
+
+
+def _playbook(
+    tmp: Path, playbook: str | Path, *extra: str, inventory: Path | None = None
+) -> tuple[int, str]:
     done = subprocess.run(
         # The runs train.yml plans are claimed (made) under the test's own directory.
         [
-            *(str(ANSIBLE_PLAYBOOK), "-i", str(_inventory(tmp)), str(playbook)),
+            *(str(ANSIBLE_PLAYBOOK), "-i", str(inventory or _inventory(tmp)), str(playbook)),
             *("-e", f"controller_runs_dir={tmp / 'runs'}", *extra),
         ],
         cwd=ROOT,
         capture_output=True,
         text=True,
         check=False,
-        env={"ANSIBLE_NOCOLOR": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp)},
+        env={
+            "ANSIBLE_NOCOLOR": "1",
+            "PATH": "/usr/bin:/bin",
+            "HOME": str(tmp),
+            # set_stats in the recap: what a caller (train_runner.py) would read.
+            "ANSIBLE_SHOW_CUSTOM_STATS": "true",
+            # A master at a TEST-NET address that drops packets fails in seconds, not in 30.
+            "ANSIBLE_TIMEOUT": "5",
+            "TMPDIR": str(_scratch(tmp)),
+        },
     )
     return done.returncode, done.stdout + done.stderr
 
 
+def _scratch(tmp: Path) -> Path:
+    """The temporary directory of the test's playbook runs (nothing may be left in it)."""
+    scratch = tmp / "scratch"
+    scratch.mkdir(exist_ok=True)
+    return scratch
+
+
 def _plan_only(tmp: Path, *extra: str) -> tuple[int, str]:
-    """train.yml's first play alone (the others are tagged train): -v shows every result."""
-    return _playbook(tmp, "train.yml", "--tags", "none", "-v", *extra)
+    """train.yml --check (the plan alone: no node play runs); -v shows every result."""
+    return _playbook(tmp, "train.yml", "--check", "-v", *extra)
 
 
 @pytest.mark.parametrize("to_endpoint", [False, True])
@@ -219,6 +256,140 @@ def test_a_model_the_hub_lacks_fails_naming_it_and_nothing_follows(
         said
     )
     assert "Keep the plan" not in said
+
+
+# ---- a hub the controller cannot reach -----------------------------------------------------
+CLOSED = "http://127.0.0.1:9"  # nothing listens: no answer, at once
+
+
+def _offline(tmp: Path, *extra: str) -> tuple[int, str]:
+    """train.yml --check with a hub that neither the controller nor the master (this machine)
+    reaches; GPU nodes, so that the plan searches."""
+    inventory = _inventory(tmp, _gpu_node(**LOCAL_MASTER), _gpu_node(ansible_host="192.0.2.2"))
+    asked = ("--check", "-e", f"hf_endpoint={CLOSED}", *extra)
+    rc, out = _playbook(tmp, "train.yml", *asked, inventory=inventory)
+    return rc, " ".join(out.split())
+
+
+def test_a_catalogue_model_is_planned_with_its_config_when_no_hub_answers(
+    tmp_path: Path,
+) -> None:
+    rc, said = _offline(tmp_path, "-e", "model=qwen2.5-1.5b", "-e", "finetuning_type=full")
+    assert rc == 0, said[-3000:]
+    # The controller got no answer, so the master was asked; it got none either.
+    assert "Ask the hub for the model's config.json from the master" in said
+    assert (
+        f"Qwen/Qwen2.5-1.5B-Instruct from {CLOSED} (huggingface), revision main, not pinned to a "
+        "commit: neither the controller nor the master a gets an answer from the hub (the "
+        "master a: [Errno 111] Connection refused); planned with the config that "
+        "group_vars/all/models.yml carries" in said
+    )
+    # What the nodes then download, said as it is: the revision by its name, not one commit.
+    path = "/opt/llama-cluster/models/hub/huggingface/Qwen--Qwen2.5-1.5B-Instruct/main"
+    assert (
+        f"Each node downloads main as the hub serves it when its download starts, into {path}"
+        in (said)
+    )
+    assert "so nodes can hold different commits: -e model_revision=<commit>" in said
+    # The plan is the one the hub's config.json would give: the catalogue carries its shape.
+    assert "qwen2.5-1.5b (" + path + "), full, 1.54B parameters" in said
+    assert "Runner-up: deepspeed=" in said
+
+
+def test_a_commit_given_as_the_revision_pins_every_node_without_the_hub(tmp_path: Path) -> None:
+    rc, said = _offline(tmp_path, "-e", "model=qwen2.5-1.5b", "-e", f"model_revision={COMMIT}")
+    assert rc == 0, said[-3000:]
+    path = f"/opt/llama-cluster/models/hub/huggingface/Qwen--Qwen2.5-1.5B-Instruct/{COMMIT}"
+    assert f"revision {COMMIT} (a commit): neither the controller nor the master a" in said
+    assert f"every node that lacks it downloads that commit into {path}" in said
+    assert "not pinned" not in said
+
+
+def test_a_model_outside_the_catalogue_still_needs_the_hub_or_its_size(tmp_path: Path) -> None:
+    mine = ("-e", "model=mine", "-e", "model_path=org/mine", "-e", "model_template=qwen")
+    rc, said = _offline(tmp_path, *mine)
+    assert rc != 0
+    assert (
+        f"Model mine: (org/mine, revision main, at {CLOSED}) the endpoint is unreachable from the "
+        "controller, and from the master a ([Errno 111] Connection refused). Check hf_endpoint"
+    ) in said
+    assert "Without the hub, -e model_params_b=<billions> plans it from its size." in said
+    # A catalogue model's config describes its own path, not another one given with model_path.
+    rc, said = _offline(tmp_path, "-e", "model=qwen2.5-1.5b", "-e", "model_path=org/mine")
+    assert rc != 0
+    assert "the endpoint is unreachable from the controller, and from the master a" in said
+    rc, said = _offline(tmp_path, *mine, "-e", "model_params_b=0.5")
+    assert rc == 0, said[-3000:]
+    assert "planned from the size given (-e model_params_b), without config.json" in said
+    assert (
+        "mine (/opt/llama-cluster/models/hub/huggingface/org--mine/main), lora, 500M parameters"
+        in said
+    )
+
+
+@pytest.mark.parametrize("to_endpoint", [False, True])
+def test_the_master_asks_the_hub_the_controller_cannot_reach_and_every_node_gets_its_commit(
+    tmp_path: Path, hub: str, to_endpoint: bool
+) -> None:
+    # The controller cannot resolve the hub's name; the master reaches it through a proxy (the
+    # stand-in hub answers proxy requests too), as nodes behind a company proxy do.
+    endpoint = "http://hub.invalid"
+    proxy = json.dumps({"http_proxy": hub, "HTTP_PROXY": hub})
+    master = _gpu_node(**LOCAL_MASTER, hub_download_environment=json.loads(proxy))
+    inventory = _inventory(tmp_path, master, _gpu_node(ansible_host="192.0.2.2"))
+    extra = ["-e", "model=mine", "-e", "model_path=org/mine", "-e", "model_template=qwen"]
+    extra += ["-e", f"hf_endpoint={endpoint}", "-e", f"hf_token={TOKEN}"]
+    extra += ["-e", f"hf_token_to_endpoint={str(to_endpoint).lower()}"]
+    rc, out = _playbook(tmp_path, "train.yml", "--check", "-v", *extra, inventory=inventory)
+    assert rc == 0, out[-3000:]
+    # One GET, from the master, with the token only where it may go; the token never shows.
+    assert _Hub.seen == [
+        ("/org/mine/resolve/main/config.json", f"Bearer {TOKEN}" if to_endpoint else "")
+    ]
+    assert TOKEN not in out
+    said = " ".join(out.split())
+    assert (
+        f"org/mine from {endpoint} (huggingface), revision main = commit 0123456789ab, downloaded "
+        f"once into /opt/llama-cluster/models/hub/huggingface/org--mine/{COMMIT} on every node "
+        "that lacks it (the master a asked: the controller cannot reach it)"
+    ) in said
+    assert "(counted from config.json)" in said
+
+
+# ---- train.yml --check: the plan, and nothing else ------------------------------------------
+def test_train_yml_check_prints_the_plan_and_leaves_nothing_behind(
+    tmp_path: Path, hub: str
+) -> None:
+    inventory = _inventory(
+        tmp_path, _gpu_node(ansible_host="192.0.2.1"), _gpu_node(ansible_host="192.0.2.2")
+    )
+    extra = ["-e", "model=mine", "-e", "model_path=org/mine", "-e", "model_template=qwen"]
+    extra += ["-e", "finetuning_type=full", "-e", f"hf_endpoint={hub}"]
+    rc, out = _playbook(tmp_path, "train.yml", "--check", *extra, inventory=inventory)
+    assert rc == 0, out[-3000:]
+    said = " ".join(out.split())
+    for line in (
+        "Plan only (--check, no run started): mine (",
+        "Effective batch ",
+        "DeepSpeed: ",
+        "Runner-up: deepspeed=",
+        "GPU memory planned for: 24.0 GiB per GPU",
+        "the go/no-go is not decided: run playbooks/check.yml first",
+        "Disk per node: up to ",
+        "plan only (--check): nothing was changed",
+    ):
+        assert line in said, line
+    # No node play ran, no run id was published, no run directory claimed, nothing left over.
+    for play in ("Prepare every node", "Run"):
+        assert f"PLAY [Train | {play}] ********" in out
+    assert said.count("skipping: no hosts matched") == 3
+    assert "UNREACHABLE" not in said
+    published = said[said.index("CUSTOM STATS") :]
+    assert "llama_plan" in published
+    assert "llama_run_id" not in published
+    assert "PLAN (check mode" not in said  # the provision plan's block: no node's change to list
+    assert not (tmp_path / "runs").exists()
+    assert list(_scratch(tmp_path).iterdir()) == []
 
 
 def _call(tmp: Path, args: dict[str, object]) -> tuple[int, str]:

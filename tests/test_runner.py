@@ -247,6 +247,43 @@ def test_the_run_id_is_the_llama_run_id_stat_as_soon_as_it_is_set(cluster: Clust
     assert result.hosts["localhost"].ok == 3
 
 
+@needs_train
+def test_plan_is_train_yml_in_check_mode_its_lines_and_no_run(tmp_path: Path):
+    # One CPU node, the controller itself: the tiny model's plan, through the API and the CLI.
+    inventory = tmp_path / "cpu.yml"
+    inventory.write_text(
+        "all:\n  children:\n    cluster:\n      children:\n        master:\n          hosts:\n"
+        "            localhost:\n              ansible_connection: local\n"
+        "              ansible_python_interpreter: '{{ ansible_playbook_python }}'\n"
+        "              cluster_accelerator: cpu\n              nproc_per_node: 1\n"
+    )
+    runs = tmp_path / "runs"
+    cluster = Cluster(inventory, private_data_dir=tmp_path / "runner")
+    result = cluster.plan("tiny", controller_runs_dir=str(runs))
+    assert result.ok
+    assert "--check" in json.loads((result.artifact_dir / "command").read_text())["command"]
+    assert any(
+        line.startswith("Plan only (--check, no run started): tiny (") for line in result.plan
+    )
+    assert "DeepSpeed: none (chosen by the rule" in "\n".join(result.plan)
+    # Nothing started: no run id published or claimed, no run directory.
+    assert (result.run_id, result.summary, result.controller_dir) == (None, None, None)
+    assert set(result.data) == {"llama_plan"}
+    assert not runs.exists()
+    # A request train() refuses is refused here the same way.
+    with pytest.raises(InvalidInput) as caught:
+        cluster.plan("tiny", deepspeed="zero4")
+    assert 'Unknown deepspeed="zero4"' in caught.value.message
+    shown = cli(
+        *("--private-data-dir", str(tmp_path / "runner"), "-i", str(inventory)),
+        *("plan", "--model", "tiny", "-e", f"controller_runs_dir={runs}"),
+    )
+    assert shown.returncode == EXIT_OK, shown.stdout[-2000:]
+    assert "plan only (--check): nothing was changed" in shown.stdout
+    assert "Plan only (--check, no run started): tiny" in " ".join(shown.stdout.split())
+    assert not runs.exists()
+
+
 def test_failed_task_raises_playbook_failed_naming_host_task_and_message(
     cluster: Cluster, tmp_path: Path
 ):

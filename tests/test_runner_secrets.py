@@ -227,9 +227,12 @@ def test_api_run_keeps_secrets_off_command_lines_and_out_of_artifacts(
 def test_api_train_keeps_the_hf_token_from_a_mirror_and_out_of_artifacts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    # train.yml stops on the controller at the hub probe (nothing listens on port 9), after the
-    # defaults have read the token: TEST-NET nodes prove no node was contacted.
+    # train.yml stops on the controller at the hub probe (nothing listens on port 9; the master,
+    # asked in its turn, does not answer), after the defaults have read the token: TEST-NET
+    # nodes prove no node was written to. A model outside the catalogue: a catalogue model
+    # would be planned with the config its entry carries.
     monkeypatch.setenv("HF_TOKEN", FAKE_HF)
+    monkeypatch.setenv("ANSIBLE_TIMEOUT", "5")  # a TEST-NET master that drops packets
     inventory = tmp_path / "inventory.yml"
     node = '{"ansible_host": "192.0.2.%d", "cluster_accelerator": "cpu", "nproc_per_node": 1}'
     inventory.write_text(
@@ -240,7 +243,13 @@ def test_api_train_keeps_the_hf_token_from_a_mirror_and_out_of_artifacts(
     runner_dir = tmp_path / "runner"
     cluster = Cluster(inventory, private_data_dir=runner_dir)
     with pytest.raises(InvalidInput) as caught:
-        cluster.train("qwen2.5-7b", hf_endpoint="http://127.0.0.1:9", serve_api_key=FAKE_KEY)
+        cluster.train(
+            "mine",
+            model_path="org/absent",
+            model_template="qwen",
+            hf_endpoint="http://127.0.0.1:9",
+            serve_api_key=FAKE_KEY,
+        )
     message = caught.value.message
     assert "the endpoint is unreachable from the controller" in message
     stdout = caught.value.result.stdout_path.read_text()

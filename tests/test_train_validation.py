@@ -415,6 +415,18 @@ def test_train_yml_refuses_zero3_over_a_10_mbit_link_before_any_node_changes(
     assert "link 0.01 Gbit/s, check.yml's slowest TCP stream" in out
 
 
+def test_the_plan_alone_refuses_as_a_real_run_does_and_makes_nothing(tmp_path: Path) -> None:
+    # train.yml --check: the tiny model is not made (its config.json, which the go/no-go reads,
+    # comes from a scratch copy), no run directory is claimed, and the refusal is the same.
+    inventory = _inventory(
+        tmp_path, {"a": _linked("192.0.2.1", "b", 0.01)}, {"b": _linked("192.0.2.2", "a", 0.01)}
+    )
+    out = _fails_before_nodes(inventory, "--check", "-e", "model=tiny", "-e", "deepspeed=zero3")
+    assert "Refused before launch: 2 nodes would" in out
+    assert not (tmp_path / ".cache" / "llama-cluster" / "models" / "tiny").exists()
+    assert not (tmp_path / "runs").exists()
+
+
 # The decisions behind train.yml's node checks, case by case: gpu_ids a node does not have, and
 # the checkpoint a resumed run continues from (molecule/train/tests/test_bad_input.py runs both
 # on real nodes).

@@ -317,12 +317,12 @@ def test_a_measured_10_mbit_link_refuses_zero3_and_accepts_ddp_with_accumulation
     assert "-e allow_slow_scaling=true" in out
     assert "Train | Prepare every node" not in out  # refused before any node play
 
-    # The same link, DDP with accumulation: train.yml plans it and the go/no-go passes (--tags
-    # always: the inventory check and the plan, on the controller; no node play runs).
+    # The same link, DDP with accumulation: train.yml plans it and the go/no-go passes (--check:
+    # the inventory check and the plan, on the controller; no node play runs).
     accumulate = {
         "train_args": {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 64}
     }
-    ddp = ("-e", "deepspeed=none", "-e", json.dumps(accumulate), "--tags", "always")
+    ddp = ("-e", "deepspeed=none", "-e", json.dumps(accumulate), "--check")
     accepted = playbook("train.yml", *gpus, *ddp)
     out = said(accepted)
     assert accepted.returncode == 0, out[-3000:]

@@ -10,6 +10,8 @@ import base64
 import hashlib
 import json
 import shutil
+import subprocess
+import tempfile
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -31,11 +33,16 @@ from ansible_collections.llama.cluster.plugins.module_utils.planner.assembly imp
     new_run_id,
 )
 from ansible_collections.llama.cluster.plugins.module_utils.planner.model import (
+    MAX_ANSWER_BYTES,
     TOKEN_VARIABLE,
     find_model,
+    model_stage_answer,
+    model_stage_headers,
     model_stage_probe,
+    model_stage_reached,
     model_stage_source,
     model_stage_token_policy,
+    model_stage_unpinned,
     resolve_model,
 )
 from ansible_collections.llama.cluster.plugins.module_utils.planner.nodes import (
@@ -67,8 +74,6 @@ TINY_MODEL_FLAGS = {
     "tiny_model_hidden_size": "--hidden",
     "tiny_model_corpus_lines": "--lines",
 }
-# The hub's config.json is a few kB; a larger answer is not one.
-MAX_ANSWER_BYTES = 4 << 20
 
 # A run planned in a second that another run of this controller holds takes a later one.
 CLAIM_SECONDS = 60
@@ -79,11 +84,12 @@ class Refused(Exception):
 
 
 class MasterRead(Exception):
-    """The plan needs a config.json that only the master has (O(ask_master))."""
+    """The plan needs what only the master can read (O(ask_master)): a shared model's config.json
+    (read_on_master), or the hub's answer (hub_on_master)."""
 
-    def __init__(self, path: str) -> None:
-        super().__init__(path)
-        self.path = path
+    def __init__(self, key: str, value: object) -> None:
+        super().__init__(key)
+        self.key, self.value = key, value
 
 
 def claim_run_id(runs_dir: Path, stamp: str, model: str) -> str:
@@ -212,7 +218,7 @@ class ActionModule(ActionBase):
         try:
             plan, notes = self._plan(asked)
         except MasterRead as read:
-            return {**result, "changed": self._changed, "read_on_master": read.path}
+            return {**result, "changed": self._changed, read.key: read.value}
         except Refused as err:
             return {**result, "failed": True, "changed": self._changed, "msg": str(err)}
         except AnsibleError as err:  # the planner's PlanError, the inventory's filter errors
@@ -260,7 +266,14 @@ class ActionModule(ActionBase):
         )
         if staging is not None:
             plan["model_stage"] = staging
-        if asked["claim_run_id"] and not plan["resume"] and not self._task.check_mode:
+        if self._task.check_mode:
+            # Nothing is claimed: the id is what a run started now would be called.
+            planned = f"Run {plan['run_id']}:"
+            plan["summary"] = [
+                line.replace(planned, "Plan only (--check, no run started):")
+                for line in plan["summary"]
+            ]
+        elif asked["claim_run_id"] and not plan["resume"]:
             self._claim(plan, request)
         return plan, notes + plan["summary"]
 
@@ -306,6 +319,9 @@ class ActionModule(ActionBase):
         self, asked: Mapping[str, Any], entry: Mapping[str, Any]
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """The staging request (no secrets in it) and the model's parsed config.json."""
+        # The config a catalogue entry carries describes its own path, not another one.
+        own = asked["model_path"] in ("", entry.get("path"))
+        carried = dict(entry.get("config") or {}) if own else {}
         overrides = {"path": asked["model_path"], "revision": asked["model_revision"]}
         entry = {**entry, **{k: v for k, v in overrides.items() if v}}
         if asked["model_shared"]:
@@ -327,10 +343,12 @@ class ActionModule(ActionBase):
         )
         if request["error"]:
             raise Refused(request["error"])
+        if request["generated"] and self._task.check_mode:
+            return self._not_generated(request)
         if request["generated"]:
             self._generate(request["source"])
         if request["kind"] == "hub":
-            request = self._ask_hub(request, hub_dir)
+            request = self._ask_hub(request, hub_dir, asked, carried)
             config = request["config"]
         elif request["kind"] == "controller":
             config = self._controller_config(request)
@@ -339,22 +357,57 @@ class ActionModule(ActionBase):
         staging = {k: v for k, v in request.items() if k not in ("config", "error")}
         return staging, config
 
-    def _generate(self, directory: str) -> None:
-        """Make the generated model on the controller with scripts/make_tiny_model.py, once."""
+    def _not_generated(self, request: Mapping[str, Any]) -> tuple[dict[str, Any], dict]:
+        """A generated model in check mode: its config.json where it was made before; else the
+        config.json it will have, made in a temporary directory that is removed at once (the
+        plan depends on its shape: the go/no-go does)."""
+        path = Path(request["source"]) / "config.json"
+        staging = {k: v for k, v in request.items() if k != "error"}
+        if path.is_file():
+            return staging, parse_config(path.read_text(errors="replace"), request)
+        with tempfile.TemporaryDirectory(prefix="llama-plan-") as scratch:
+            made = subprocess.run(
+                self._tiny_argv(f"{scratch}/tiny"),
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if made.returncode != 0:
+                self._tiny_failed(request["source"], (made.stderr or made.stdout).strip())
+            config = parse_config(Path(scratch, "tiny", "config.json").read_text(), request)
+        staging["summary"] = (
+            f"{request['source']} (not made yet: a real run generates it on the controller with "
+            f"{TINY_MODEL_SCRIPT}), copied to {request['path']} on every node that lacks it"
+        )
+        return staging, config
+
+    def _tiny_argv(self, directory: str) -> list[str]:
+        """The command line that makes the generated model in `directory`."""
         script = Path(self._var("project_dir")) / TINY_MODEL_SCRIPT
         argv = [str(self._var("tiny_model_python")), str(script), directory]
-        argv += [f"{flag}={self._var(name)}" for name, flag in TINY_MODEL_FLAGS.items()]
+        return argv + [f"{flag}={self._var(name)}" for name, flag in TINY_MODEL_FLAGS.items()]
+
+    @staticmethod
+    def _tiny_failed(directory: str, output: str) -> None:
+        """Refuse a generated model that its script could not make."""
+        lines = output.splitlines()
+        raise Refused(
+            f"The tiny model could not be generated in {directory} on the controller: "
+            f"{lines[-1] if lines else 'no output'}"
+        )
+
+    def _generate(self, directory: str) -> None:
+        """Make the generated model on the controller with scripts/make_tiny_model.py, once."""
         made = self._execute_module(
             module_name="ansible.builtin.command",
-            module_args={"argv": argv, "creates": f"{directory}/tiny_model.json"},
+            module_args={
+                "argv": self._tiny_argv(directory),
+                "creates": f"{directory}/tiny_model.json",
+            },
             task_vars=self._vars,
         )
         if made.get("failed"):
-            output = (made.get("stderr") or made.get("msg") or "").strip().splitlines()
-            raise Refused(
-                f"The tiny model could not be generated in {directory} on the controller: "
-                f"{output[-1] if output else 'no output'}"
-            )
+            self._tiny_failed(directory, (made.get("stderr") or made.get("msg") or "").strip())
         self._changed |= bool(made.get("changed"))
 
     def _controller_config(self, request: Mapping[str, Any]) -> dict[str, Any]:
@@ -384,37 +437,54 @@ class ActionModule(ActionBase):
         if path.is_file():
             return parse_config(path.read_text(errors="replace"), request)
         if not slurped and ask_master:
-            raise MasterRead(str(path))
+            raise MasterRead("read_on_master", str(path))
         if not slurped:
-            master = (self._var("groups").get("master") or ["the master"])[0]
             raise Refused(
                 f"Model {request['name']}: {request['source']}/config.json is neither on the "
-                f"controller nor on the master ({master}): model_shared means that the "
+                f"controller nor on the master ({self._master()}): model_shared means that the "
                 "directory is at that path on every node."
             )
         return parse_config(base64.b64decode(slurped).decode("utf-8", "replace"), request)
 
-    def _ask_hub(self, request: Mapping[str, Any], hub_dir: str) -> dict[str, Any]:
-        """The request pinned to the hub's commit, with config.json: one GET at the endpoint,
-        with the token where it may go (never in the result or a log)."""
+    def _master(self) -> str:
+        """The master's inventory name."""
+        return (self._var("groups").get("master") or ["the master"])[0]
+
+    def _ask_hub(
+        self,
+        request: Mapping[str, Any],
+        hub_dir: str,
+        asked: Mapping[str, Any],
+        carried: Mapping[str, Any],
+    ) -> dict[str, Any]:
+        """The request pinned to the hub's commit, with config.json: one GET at the endpoint, with
+        the token where it may go (never in the result or a log). Where the controller gets no
+        answer, the master's (asked for with MasterRead, given back as O(hub_answer)); where
+        neither gets one, the request unpinned with `carried` (the catalogue's config) or the
+        size given, else refused."""
         hub = request["hub"]
         token = str(self._var(TOKEN_VARIABLE[hub], "") or "")
         policy = model_stage_token_policy(
             hub, request["endpoint"], bool(token), self._var("hf_token_to_endpoint", False)
         )
-        if not policy["send"]:
-            token = ""
-        headers = (
-            {"Authorization": f"Bearer {token}", "Cookie": f"m_session_id={token}"} if token else {}
-        )
-        answer = hub_answer(
-            request["probe_url"],
-            headers,
-            float(self._var("hub_probe_timeout")),
-            str(self._var("hub_ca_bundle", "") or ""),
-        )
-        pinned = model_stage_probe(request, answer, bool(token), hub_dir, policy["note"])
-        note = policy["note"]
+        sent, note = bool(token) and policy["send"], policy["note"]
+        answer, asker = model_stage_answer(asked["hub_answer"]), f"the master {self._master()}"
+        if not answer:
+            asker = "the controller"
+            answer = hub_answer(
+                request["probe_url"],
+                model_stage_headers(token, policy["send"]),
+                float(self._var("hub_probe_timeout")),
+                str(self._var("hub_ca_bundle", "") or ""),
+            )
+            if not model_stage_reached(answer) and asked["ask_master"]:
+                ask = {"url": request["probe_url"], "token_variable": TOKEN_VARIABLE[hub]}
+                raise MasterRead("hub_on_master", {**ask, "send_token": sent})
+        sized = asked["model_params_b"] not in ("", None)
+        if not model_stage_reached(answer) and (carried or sized):
+            self._token_note = note
+            return model_stage_unpinned(request, carried, answer, asker)
+        pinned = model_stage_probe(request, answer, sent, hub_dir, note, asker=asker)
         if pinned["error"]:
             raise Refused(
                 pinned["error"] + (f" ({note})" if note and note not in pinned["error"] else "")

@@ -102,7 +102,9 @@ class CallbackModule(CallbackBase):
             Path(log).parent.mkdir(parents=True, exist_ok=True)
             with Path(log).open("a", encoding="utf-8") as out:
                 out.write(json.dumps(line, sort_keys=True) + "\n")
-        if self._check:
+        # A playbook that ended before its node plays (train.yml --check ends after its plan)
+        # has no node's changes to list: the PLAN block would be an empty table.
+        if self._check and set(self._items) - CONTROLLER_NAMES:
             self._display.display(render(self._items, time.monotonic() - self._started))
 
 

@@ -22,8 +22,14 @@ description:
     directory of the controller is read where it is (and rsync must be there to copy it). A hub
     id is asked for with one GET of config.json at its endpoint, which pins the revision to the
     hub's commit; the Hugging Face token is sent to huggingface.co only, or to any endpoint with
-    hf_token_to_endpoint=true. A directory on shared storage is read on the controller, or from
+    hf_token_to_endpoint=true. Where the controller gets no answer, the master is asked
+    (O(ask_master), O(hub_answer)); where neither gets one, a catalogue model is planned with the
+    config its entry carries (any model with O(model_params_b)), and the plan says that its
+    revision is not pinned. A directory on shared storage is read on the controller, or from
     O(shared_config) where only the nodes mount it.
+  - In check mode (train.yml --check) nothing is made. No run directory is claimed, a generated
+    model not made yet is planned with the config.json it will have (made in a temporary
+    directory, removed at once), and the plan's first line names no run.
   - Each dataset (datasets_catalogue, or O(dataset_file)) is checked record by record with
     llama.cluster.llama_dataset_check on the controller.
   - Returns C(plan), the plan every node renders (roles/run_config), with C(plan.model), the
@@ -66,8 +72,19 @@ options:
         O(shared_config), returns C(read_on_master) (that config.json's path) instead of failing,
         and plans nothing; the play reads it on the master and calls the action again with
         O(shared_config) (train.yml does). false refuses, naming the master.
+      - true, for a hub id the controller gets no answer about (no connection, or a 5xx),
+        returns C(hub_on_master) instead, and plans nothing; the play asks the hub from the
+        master and calls the action again with O(hub_answer) (train.yml does). false plans
+        without the hub where the size is known (see the description), else refuses.
     type: bool
     default: false
+  hub_answer:
+    description:
+      - The hub's answer to the master's GET of C(hub_on_master.url), as ansible.builtin.uri
+        registered it, reduced by the filter llama.cluster.model_stage_answer (no request
+        headers, so no token); {} = the master was not asked.
+    type: raw
+    default: {}
   probe_model:
     description:
       - false plans from the catalogue alone, offline (no hub request, nothing generated, no
@@ -189,6 +206,12 @@ read_on_master:
     - With O(ask_master), the config.json to read on the master, for a model on shared storage that
       the controller does not mount; nothing was planned.
   type: str
+hub_on_master:
+  description:
+    - With O(ask_master), the GET the master makes for a hub id that the controller got no answer
+      about; nothing was planned. C(url), C(token_variable) (the variable holding the hub's
+      token) and C(send_token) (whether the token may go to that endpoint).
+  type: dict
 notes:
   description: Where the model comes from, what a dataset check left out, then the plan's summary.
   type: list

@@ -11,7 +11,10 @@ trusts a mirror with hf_token_to_endpoint). `model_stage_probe` reads the contro
 from the hub (config.json) and pins the request to the commit the hub answered with, or says why
 the model cannot be had. Both return an `error` instead of raising, so that the plan fails with
 that sentence before any node changes (the run_plan action calls them; roles/model_stage stages
-the request).
+the request). Where the controller cannot reach the hub, the master asks it (train.yml:
+`model_stage_headers`, `model_stage_answer`); where neither reaches it, `model_stage_unpinned`
+plans a catalogue model with the config its entry carries (`model_stage_reached` tells the two
+apart).
 """
 
 from __future__ import annotations
@@ -367,6 +370,91 @@ def _hub_problem(hub: str, repo: str, revision: str, endpoint: str) -> str:
     return next((message for broken, message in rules if broken), "")
 
 
+def model_stage_headers(token: object, send: object = True) -> dict[str, str]:
+    """The headers that carry a hub token to the endpoint (the Hugging Face Hub reads the bearer,
+    ModelScope its session cookie); {} without a token, or where model_stage_token_policy says it
+    may not go (send false)."""
+    token = str(token or "")
+    if not token or not as_flag(send):
+        return {}
+    return {"Authorization": f"Bearer {token}", "Cookie": f"m_session_id={token}"}
+
+
+# What model_stage_probe reads of an answer: the rest of a registered result (its invocation,
+# which holds the request's headers and so the token) is left behind.
+ANSWER_KEYS = ("status", "msg", "content", "x_repo_commit", "x_error_code")
+# The hub's config.json is a few kB; a larger answer is not one (read or kept no further).
+MAX_ANSWER_BYTES = 4 << 20
+
+
+def model_stage_answer(registered: object) -> dict[str, Any]:
+    """The hub's answer to the master's GET of config.json, as ansible.builtin.uri registered it
+    (train.yml asks the master where the controller cannot reach the hub), reduced to what
+    model_stage_probe reads; {} when the master was not asked (skipped, or nothing given). A
+    master that did not answer (unreachable) is an answer with status -1 that says so."""
+    if not isinstance(registered, Mapping) or not registered or registered.get("skipped"):
+        return {}
+    if registered.get("unreachable"):
+        said = " ".join(str(registered.get("msg") or "no answer").split())
+        return {"status": -1, "msg": f"Request failed: the master did not answer: {said}"}
+    answer = {key: registered[key] for key in ANSWER_KEYS if key in registered}
+    if isinstance(answer.get("content"), str):
+        answer["content"] = answer["content"][:MAX_ANSWER_BYTES]
+    return answer
+
+
+def model_stage_reached(answer: Mapping[str, Any]) -> bool:
+    """Whether the hub answered the GET: no connection (status -1: a name that does not resolve,
+    a refused or timed-out connection, TLS) or a gateway's error (5xx) is not an answer about the
+    model, a 4xx is."""
+    try:
+        status = int(answer.get("status") or -1)
+    except (TypeError, ValueError):
+        return False
+    return 0 < status < 500
+
+
+def model_stage_unpinned(
+    request: Mapping[str, Any], config: Mapping[str, Any], answer: Mapping[str, Any], asker: str
+) -> dict[str, Any]:
+    """A hub request planned without the hub, which did not answer `asker` (the controller, or
+    the master as well): with `config`, the fields of config.json that the model's catalogue
+    entry carries ({} when the size was given with -e model_params_b instead).
+
+    The nodes then download the revision by its name: pinned only where the revision is itself a
+    commit (-e model_revision=<40 hex digits>); otherwise each node downloads it as the hub serves
+    it when its download starts, and a node that holds a snapshot of that revision already keeps
+    it, so nodes can differ: the summary says so and how to pin one.
+    """
+    revision, path = request["revision"], request["path"]
+    status = int(answer.get("status") or -1)
+    reason = _reason(str(answer.get("msg") or "")) if status <= 0 else f"HTTP {status}"
+    why = f"neither the controller nor {asker} gets an answer from the hub ({asker}: {reason})"
+    if asker == "the controller":
+        why = f"the controller gets no answer from the hub ({reason})"
+    planned = (
+        f"planned with the config that {CATALOGUE_FILE} carries"
+        if config
+        else "planned from the size given (-e model_params_b), without config.json"
+    )
+    head = f"{request['repo']} from {request['endpoint']} ({request['hub']}), revision {revision}"
+    unpinned = {**request, "config": dict(config), "error": "", "commit": ""}
+    if COMMIT.match(revision):
+        unpinned["commit"] = revision
+        unpinned["summary"] = (
+            f"{head} (a commit): {why}; {planned}; every node that lacks it downloads that commit "
+            f"into {path}"
+        )
+        return unpinned
+    unpinned["summary"] = (
+        f"{head}, not pinned to a commit: {why}; {planned}. Each node downloads {revision} as "
+        f"the hub serves it when its download starts, into {path} (a node that has that "
+        "directory keeps its snapshot), so nodes can hold different commits: "
+        "-e model_revision=<commit> gives every node the same one"
+    )
+    return unpinned
+
+
 def _reason(msg: str) -> str:
     """The cause in an error of ansible.builtin.uri, without its preamble."""
     found = re.search(r"Request failed: (.*)", msg or "")
@@ -384,9 +472,13 @@ def _private_hint(token: str, token_given: bool, withheld: str) -> str:
 
 
 def _refusal(
-    request: Mapping[str, Any], answer: Mapping[str, Any], token_given: bool, withheld: str
+    request: Mapping[str, Any],
+    answer: Mapping[str, Any],
+    token_given: bool,
+    withheld: str,
+    asker: str,
 ) -> str:
-    """Why the hub did not hand out config.json, or "" when it did (HTTP 200)."""
+    """Why the hub did not hand out config.json to `asker`, or "" when it did (HTTP 200)."""
     hub, repo, revision = request["hub"], request["repo"], request["revision"]
     token = TOKEN_VARIABLE[hub]
     variable = "hf_endpoint" if hub == "huggingface" else "modelscope_endpoint"
@@ -394,10 +486,11 @@ def _refusal(
     code = str(answer.get("x_error_code") or "")
     content = str(answer.get("content") or "")
     denied = code == "GatedRepo" or (status in (401, 403) and code != "RepoNotFound")
+    place = asker if asker == "the controller" else f"the controller, and from {asker}"
     rules = [
         (
             status <= 0,
-            f"the endpoint is unreachable from the controller ({_reason(answer.get('msg', ''))}). "
+            f"the endpoint is unreachable from {place} ({_reason(answer.get('msg', ''))}). "
             f"Check {variable} (a mirror, e.g. -e hf_endpoint=https://hf-mirror.com), the proxy "
             "settings and the network.",
         ),
@@ -433,20 +526,25 @@ def model_stage_probe(
     token_given: bool,
     hub_dir: str,
     withheld: str = "",
+    *,
+    asker: str = "the controller",
 ) -> dict[str, Any]:
     """The request pinned to the hub's commit, with the model's config; or the reason it failed.
 
     answer: the registered result of ansible.builtin.uri (status, msg, content, and the
     response headers as lower-case keys with '_' for '-'). token_given: a token was sent;
-    withheld: model_stage_token_policy's note when one was set but not sent.
+    withheld: model_stage_token_policy's note when one was set but not sent; asker: who asked
+    (the controller, or the master where the controller cannot reach the hub).
     """
     where = f"{request['repo']}, revision {request['revision']}, at {request['endpoint']}"
     refused = dict(request, config={})
 
     def fail(message: str) -> dict[str, Any]:
+        if not model_stage_reached(answer):
+            message += " Without the hub, -e model_params_b=<billions> plans it from its size."
         return _failed(refused, f"({where}) {message} Nothing was changed on any node.")
 
-    message = _refusal(request, answer, token_given, withheld)
+    message = _refusal(request, answer, token_given, withheld, asker)
     if message:
         return fail(message)
     try:
@@ -464,5 +562,6 @@ def model_stage_probe(
         f"{request['repo']} from {request['endpoint']} ({request['hub']}), revision "
         f"{request['revision']}{(' = commit ' + commit[:12]) if pinned['commit'] else ''}, "
         f"downloaded once into {pinned['path']} on every node that lacks it"
+        + ("" if asker == "the controller" else f" ({asker} asked: the controller cannot reach it)")
     )
     return pinned
