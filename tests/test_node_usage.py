@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import re
 import subprocess
 import sys
 import time
@@ -31,6 +32,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ansible_collections.llama.cluster.plugins.module_utils.planner.errors import PlanError
+from ansible_collections.llama.cluster.plugins.module_utils.planner.nodes import (
+    BUSY_GPU_MIB,
+    describe_nodes,
+    node_gpu_usage,
+    node_host_memory,
+    usage_by_host,
+)
 from ansible_collections.llama.cluster.plugins.modules import llama_node_usage as usage
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -290,3 +299,218 @@ def test_an_nvidia_smi_that_fails_is_reported_not_failed(tmp_path: Path) -> None
         "--query-gpu=index,uuid,name,memory.total,memory.used: exit status 9: NVIDIA-SMI has "
         "failed because it couldn't communicate with the NVIDIA driver."
     )
+
+
+# ---- the planner: what is free now, and who holds the rest ---------------------------------------
+def _hostvars(
+    mib: list[int],
+    nproc: int | None = None,
+    host_mib: int = 2_000_000,
+    **extra: Any,
+) -> dict[str, Any]:
+    """A GPU node's hostvars, its facts as roles/host_facts records them."""
+    gpus = [{"index": i, "memory_mib": m, "name": H100} for i, m in enumerate(mib)]
+    facts = {"gpus": gpus, "gpu_count": len(gpus), "host_memory_mib": host_mib}
+    node = {"cluster_accelerator": "nvidia", "ansible_local": {"llama_host": facts}}
+    node["nproc_per_node"] = len(mib) if nproc is None else nproc
+    return {**node, **extra}
+
+
+def _describe(nodes: dict[str, dict[str, Any]], found: dict[str, Any]) -> list[dict[str, Any]]:
+    ranks = {host: rank for rank, host in enumerate(nodes)}
+    nprocs = {host: node["nproc_per_node"] for host, node in nodes.items()}
+    return describe_nodes(ranks, nodes, nprocs, found)
+
+
+def test_an_idle_node_is_planned_for_what_is_free_now(proc: Path) -> None:
+    (node,) = _describe({"g1": _hostvars([81559] * 8)}, {"g1": read("idle-8x-h100", proc)})
+    # 81,559 - 1 MiB used = 81,558 MiB = 79.65 GiB, rounded down.
+    assert node["gpu_memory_gib"] == 79.6
+    assert node["memory_source"] == "free now (nvidia-smi at train time), smallest of 8 GPUs"
+
+
+def test_a_gpu_another_user_holds_stops_the_plan_naming_process_memory_and_ways_out(
+    proc: Path,
+) -> None:
+    with pytest.raises(PlanError) as refused:
+        _describe({"g1": _hostvars([81559] * 8)}, {"g1": read("other-user-gpu1", proc)})
+    said = str(refused.value)
+    user = pwd.getpwuid(NOBODY).pw_name
+    assert said.startswith("Other work holds GPUs this run needs")
+    assert "g1: another process holds a GPU this run needs (it trains on GPUs 0, 1, 2, 3, 4, 5" in (
+        said
+    )
+    assert (
+        f"GPU 1 ({H100}) is held by pid 48213 (user {user}: python3 finetune.py --config "
+        "big.yaml), 52.5 GiB; 27.1 of 79.6 GiB free now"
+    ) in said
+    assert "Stop it, leave it out with gpu_ids (e.g. gpu_ids=[0, 2, 3, 4, 5, 6, 7] for g1" in said
+    assert "-e gpu_memory_gib=N (N <= 27.1, the least free on a GPU this run needs" in said
+
+
+@pytest.mark.parametrize(
+    ("settings", "gpus"),
+    [({"gpu_ids": [0, 2, 3]}, 3), ({"nproc": 1}, 1)],
+    ids=["gpu_ids leave it out", "one process trains on GPU 0"],
+)
+def test_a_held_gpu_the_run_does_not_use_is_no_obstacle(
+    proc: Path, settings: dict[str, Any], gpus: int
+) -> None:
+    nproc = settings.pop("nproc", None)
+    hostvars = _hostvars([81559] * 8, nproc=nproc, **settings)
+    (node,) = _describe({"g1": hostvars}, {"g1": read("other-user-gpu1", proc)})
+    assert node["gpu_memory_gib"] == 79.6
+    which = "GPU" if gpus == 1 else f"smallest of {gpus} GPUs"
+    assert node["memory_source"] == f"free now (nvidia-smi at train time), {which}"
+
+
+def test_gpu_memory_gib_accepts_a_share_no_larger_than_what_is_free(proc: Path) -> None:
+    found = {"g1": read("other-user-gpu1", proc)}
+    (node,) = _describe({"g1": _hostvars([81559] * 8, gpu_memory_gib=20)}, found)
+    assert node["gpu_memory_gib"] == 20.0
+    assert node["memory_source"] == (
+        f"gpu_memory_gib (inventory or -e): a share of GPU 1 ({H100}), which other processes "
+        "hold (27.1 GiB free now, nvidia-smi at train time)"
+    )
+    with pytest.raises(PlanError, match=r"g1: gpu_memory_gib = 40 GiB is more than is free now"):
+        _describe({"g1": _hostvars([81559] * 8, gpu_memory_gib="40")}, found)
+    with pytest.raises(PlanError, match=r"Set gpu_memory_gib to at most 27.1, stop those"):
+        _describe({"g1": _hostvars([81559] * 8, gpu_memory_gib="40")}, found)
+
+
+def test_gpu_memory_gib_still_wins_on_an_idle_node(proc: Path) -> None:
+    hostvars = _hostvars([81559] * 8, gpu_memory_gib=40)
+    (node,) = _describe({"g1": hostvars}, {"g1": read("idle-8x-h100", proc)})
+    assert (node["gpu_memory_gib"], node["memory_source"]) == (
+        40.0,
+        "gpu_memory_gib (inventory or -e), over the facts",
+    )
+
+
+def test_memory_in_use_with_no_process_listed_is_held_by_another_container(proc: Path) -> None:
+    assert 512 < BUSY_GPU_MIB < 30211
+    with pytest.raises(PlanError) as refused:
+        _describe({"g2": _hostvars([46068] * 4)}, {"g2": read("other-container", proc)})
+    said = str(refused.value)
+    # GPU 0 is held; GPU 2's 512 MiB are not counted as another's work.
+    assert (
+        "GPU 0 (NVIDIA L40S) is 29.5 GiB in use, held by processes this node cannot see "
+        "(another container?); 15.4 of 45.0 GiB free now"
+    ) in said
+    assert "GPU 2" not in said
+    assert "e.g. gpu_ids=[1, 2, 3] for g2" in said
+
+
+def test_several_nodes_are_refused_in_one_message(proc: Path) -> None:
+    nodes = {"g1": _hostvars([81559] * 8), "g2": _hostvars([46068] * 4)}
+    found = {"g1": read("other-user-gpu1", proc), "g2": read("other-container", proc)}
+    with pytest.raises(PlanError) as refused:
+        _describe(nodes, found)
+    assert re.search(r"g1: another process .* g2: another process", str(refused.value))
+
+
+def test_a_run_of_this_cluster_on_the_gpu_is_named_with_status_and_stop(proc: Path) -> None:
+    found = read("other-user-gpu1", proc)
+    found["gpus"][1]["processes"][0]["command"] = (
+        "/opt/llama-cluster/env/bin/python -m llamafactory.launcher "
+        "/opt/llama-cluster/runs/train-20261204-120000-qwen-7b/train.yaml"
+    )
+    hostvars = _hostvars([81559] * 8, cluster_runs_dir="/opt/llama-cluster/runs")
+    with pytest.raises(PlanError, match=r"a run of this cluster: playbooks/status.yml shows it"):
+        _describe({"g1": hostvars}, {"g1": found})
+
+
+def test_mig_gpus_without_a_used_figure_need_gpu_memory_gib(proc: Path) -> None:
+    found = {"m": read("mig", proc)}
+    # GPU 0 has a process (of another namespace, its memory not reported): refused.
+    with pytest.raises(PlanError) as refused:
+        _describe({"m": _hostvars([81920] * 2)}, found)
+    said = str(refused.value)
+    assert "pid 30417 (no name reported, memory not reported), which this node cannot see" in said
+    assert "accept a share with -e gpu_memory_gib=N (nvidia-smi reports no free figure)" in said
+    # GPU 1 alone: no process listed, no used figure: the facts, and the knob to set.
+    (node,) = _describe({"m": _hostvars([81920] * 2, gpu_ids=[1])}, found)
+    assert node["gpu_memory_gib"] == 80.0
+    assert node["memory_source"] == (
+        "facts, GPU (at train time nvidia-smi reports no used memory for GPU 1 "
+        "(NVIDIA A100-SXM4-80GB): a MIG GPU? set gpu_memory_gib to its slice)"
+    )
+    (node,) = _describe({"m": _hostvars([81920] * 2, gpu_memory_gib=10)}, found)
+    assert node["gpu_memory_gib"] == 10.0
+    assert "free memory not reported" in node["memory_source"]
+
+
+def test_a_node_whose_read_failed_or_did_not_answer_is_planned_from_its_facts() -> None:
+    hostvars = _hostvars([81559])
+    facts = (79.6, "facts, GPU")
+    reads = {
+        "no answer": {"unreachable": True, "msg": "Failed to connect to the host via ssh"},
+        "failed": {"failed": False, "msg": "sudo: a password is required", "item": "g1"},
+        "nvidia-smi failed": {
+            "gpus": [],
+            "nvidia_smi_error": "--query-gpu=...: exit status 9: NVIDIA-SMI has failed",
+        },
+        "not asked for": {"skipped": True, "item": "g1"},
+    }
+    said = {case: node_gpu_usage("g1", hostvars, found, 1, facts) for case, found in reads.items()}
+    assert said == {
+        "no answer": (
+            79.6,
+            "facts, GPU; the node did not answer the read of its usage at train time",
+            "",
+        ),
+        "failed": (
+            79.6,
+            "facts, GPU; the read of its usage at train time failed: sudo: a password is required",
+            "",
+        ),
+        "nvidia-smi failed": (
+            79.6,
+            "facts, GPU (at train time nvidia-smi failed: --query-gpu=...: exit status 9: "
+            "NVIDIA-SMI has failed)",
+            "",
+        ),
+        "not asked for": (79.6, "facts, GPU", ""),
+    }
+
+
+def test_gpu_ids_that_nvidia_smi_no_longer_lists_are_refused(proc: Path) -> None:
+    with pytest.raises(PlanError, match=r"g1: gpu_ids \[0, 9\] name GPUs \[9\] that nvidia-smi"):
+        node_gpu_usage(
+            "g1", _hostvars([81559] * 10, gpu_ids=[0, 9]), read("idle-8x-h100", proc), 2, (1.0, "")
+        )
+
+
+def test_host_memory_is_the_smaller_of_the_facts_and_what_is_available_now() -> None:
+    hostvars = _hostvars([81559], host_mib=128_000)
+    now = {"gpus": [], "host_memory": {"available_mib": 60_000, "source": "MemAvailable"}}
+    assert node_host_memory("g1", hostvars, now) == (
+        58.5,
+        "available now (MemAvailable at train time), of 125 GiB in the facts",
+    )
+    more = {"gpus": [], "host_memory": {"available_mib": 200_000, "source": "MemAvailable"}}
+    assert node_host_memory("g1", hostvars, more) == (125.0, "facts (no less is available now)")
+    # host_memory_gib still wins; without a read, the facts as before.
+    assert node_host_memory("g1", {**hostvars, "host_memory_gib": 64}, now)[0] == 64.0
+    assert node_host_memory("g1", hostvars) == (125.0, "facts")
+    assert node_host_memory("g1", hostvars, {"unreachable": True}) == (
+        125.0,
+        "facts; the node did not answer the read of its usage at train time",
+    )
+
+
+def test_a_cpu_node_is_planned_for_the_host_memory_available_now() -> None:
+    cpu = {"cluster_accelerator": "cpu", "nproc_per_node": 1}
+    now = {"gpus": [], "host_memory": {"available_mib": 23_157, "source": "MemAvailable"}}
+    (node,) = _describe({"c1": cpu}, {"c1": now})
+    assert (node["gpu_memory_gib"], node["memory_source"]) == (None, "CPU node")
+    assert (node["host_memory_gib"], node["host_memory_source"]) == (
+        22.6,
+        "available now (MemAvailable at train time)",
+    )
+
+
+def test_the_registered_loop_is_read_by_node() -> None:
+    results = [{"item": "a", "gpus": []}, {"item": "b", "unreachable": True}, {"no": "item"}]
+    assert usage_by_host(results) == {"a": results[0], "b": results[1]}
+    assert usage_by_host(None) == {}

@@ -7,7 +7,8 @@ One module per concern, each with its unit tests in tests/test_planner.py:
   `RUN_SCHEMA`), and the project's settings the planner reads (`Settings`);
 - `model`: the model from the catalogue, `-e` overrides and its config.json (`model_params`),
   and where it comes from and lives on every node (`model_stage_source`, `model_stage_probe`);
-- `nodes`: every node's accelerator, processes and GPU memory from its facts (`describe_nodes`);
+- `nodes`: every node's accelerator, processes and GPU memory from its facts, or from what is
+  free on it at train time, refusing a GPU another process holds (`describe_nodes`);
 - `memory`: the memory model; `cost`: the predicted step time (compute, optimizer, offload,
   communication; tests/test_cost_model.py); `links`: the link between the nodes from their
   facts or link_gbps (`run_link`);
