@@ -28,10 +28,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+from ansible_collections.llama.cluster.plugins.module_utils.planner.assembly import (
+    RUN_STAMP,
+    new_run_id,
+)
 from ansible_collections.llama.cluster.plugins.module_utils.planner.errors import PlanError
 from ansible_collections.llama.cluster.plugins.module_utils.planner.nodes import (
     BUSY_GPU_MIB,
@@ -41,6 +46,8 @@ from ansible_collections.llama.cluster.plugins.module_utils.planner.nodes import
     usage_by_host,
 )
 from ansible_collections.llama.cluster.plugins.modules import llama_node_usage as usage
+
+from tests.test_train_validation import _inventory, _node, _train
 
 ROOT = Path(__file__).resolve().parents[1]
 SMI = ROOT / "tests" / "data" / "nvidia-smi"
@@ -514,3 +521,67 @@ def test_the_registered_loop_is_read_by_node() -> None:
     results = [{"item": "a", "gpus": []}, {"item": "b", "unreachable": True}, {"no": "item"}]
     assert usage_by_host(results) == {"a": results[0], "b": results[1]}
     assert usage_by_host(None) == {}
+
+
+# ---- the action: plan from the facts, then again for what the nodes hold now ---------------------
+def _plan_twice(tmp: Path, found: list[dict[str, Any]], *extra: str) -> tuple[int, str]:
+    """llama.cluster.run_plan as train.yml calls it: from the facts (the request checked, the
+    run's id claimed), then again with the nodes' reads; both results kept in results.json. One GPU
+    node, g1, whose facts are in the inventory (tests/test_train_validation.py's nodes)."""
+    inventory = _inventory(tmp, {"g1": _node("192.0.2.1", [81559])}, {})
+    asked = {"model": "qwen2.5-1.5b", "probe_model": False, "claim_run_id": True}
+    first = {"llama.cluster.run_plan": asked, "register": "first", "name": "Plan"}
+    again = {"replan": "{{ first }}", "node_usage": found}
+    second = {"llama.cluster.run_plan": again, "register": "now", "name": "Plan again"}
+    keep = {"content": "{{ [first, now] | to_json }}", "dest": str(tmp / "results.json")}
+    kept = {"ansible.builtin.copy": keep, "name": "Keep both results"}
+    play = {"hosts": "localhost", "gather_facts": False, "tasks": [first, second, kept]}
+    (tmp / "plan.yml").write_text(json.dumps([play]))
+    return _train(inventory, *extra, playbook=str(tmp / "plan.yml"))
+
+
+def _one_gpu(found: dict[str, Any]) -> dict[str, Any]:
+    """The recorded read of the 8-GPU node cut to its GPU 1 (the other user's python on it),
+    as node g1's only GPU, GPU 0; as the task looped over the nodes registers it."""
+    return {**found, "gpus": [{**found["gpus"][1], "index": 0}], "item": "g1"}
+
+
+def test_the_action_plans_again_for_what_is_free_keeping_the_run(
+    tmp_path: Path, proc: Path
+) -> None:
+    # Other runs hold the next 30 seconds' ids: the first call claims a later one, which the
+    # second keeps (planned again from the same request, it would name the first second).
+    start = datetime.now(UTC)
+    taken = {
+        new_run_id(f"{start + timedelta(seconds=s):{RUN_STAMP}}", "qwen2.5-1.5b") for s in range(30)
+    }
+    for run_id in taken:
+        (tmp_path / "runs" / run_id).mkdir(parents=True)
+    held = _one_gpu(read("other-user-gpu1", proc))
+    rc, out = _plan_twice(tmp_path, [held], "-e", "gpu_memory_gib=20")
+    assert rc == 0, out[-3000:]
+    first, now = json.loads((tmp_path / "results.json").read_text())
+    assert first["plan"]["gpu_memory_gib"] == 20.0  # -e wins over the facts, as before
+    assert now["plan"]["gpu_memory_gib"] == 20.0
+    assert now["plan"]["nodes"]["g1"]["memory_source"].startswith(
+        f"gpu_memory_gib (inventory or -e): a share of GPU 0 ({H100}), which other processes"
+    )
+    assert now["plan"]["nodes"]["g1"]["host_memory_gib"] == 96.0
+    # The same run: its id (claimed once), nothing checked or made a second time.
+    assert now["plan"]["run_id"] == first["plan"]["run_id"]
+    assert first["plan"]["run_id"] not in taken
+    claimed = {p.name for p in (tmp_path / "runs").iterdir() if p.name.startswith("train-")}
+    assert claimed - taken == {first["plan"]["run_id"]}
+    assert (first["changed"], now["changed"]) == (True, False)
+    assert any("(27.1 GiB free now" in line for line in now["notes"])
+
+
+def test_the_action_refuses_a_held_gpu_after_the_request_was_checked(
+    tmp_path: Path, proc: Path
+) -> None:
+    held = _one_gpu(read("other-user-gpu1", proc))
+    rc, out = _plan_twice(tmp_path, [held])
+    assert rc != 0
+    assert "Other work holds GPUs this run needs" in out
+    assert f"GPU 0 ({H100}) is held by pid 48213 (user {pwd.getpwuid(NOBODY).pw_name}:" in out
+    assert "-e gpu_memory_gib=N (N <= 27.1" in out

@@ -39,6 +39,7 @@ from ansible_collections.llama.cluster.plugins.module_utils.planner.model import
 from ansible_collections.llama.cluster.plugins.module_utils.planner.nodes import (
     cluster_accelerator,
     describe_nodes,
+    usage_by_host,
 )
 from ansible_collections.llama.cluster.plugins.module_utils.planner.schema import (
     DEEPSPEED_STAGES,
@@ -72,6 +73,11 @@ description:
     disk estimate), the hub settings of group_vars/all/models.yml,
     tiny_model_*, controller_runs_dir, project_dir) and every node's hostvars and facts; a GPU
     node's facts must be gathered or cached before (train.yml reads the missing ones first).
+  - With O(node_usage), the GPU and host memory each node has free at train time are planned
+    for instead of the facts' totals, and a GPU the run needs that another process holds is
+    refused naming the node, the GPU, the process and the way out (module_utils/planner/nodes.py).
+    train.yml plans a new run from the facts first, so that a bad request is refused before any
+    node is contacted, then reads the nodes and plans it again with O(replan) and O(node_usage).
 options:
   model:
     description: Catalogue name of the model (-e model), or a name of one's own with O(model_path).
@@ -172,6 +178,24 @@ options:
     description: Restarts allowed after a failure, an integer >= 0 (recorded in the plan).
     type: raw
     default: 0
+  replan:
+    description:
+      - This action's result for the same request (registered by an earlier call), to plan it
+        again, e.g. with O(node_usage). The request, model and datasets that call checked are
+        planned as they are (no second hub request, dataset check or model generation) and the
+        run keeps the id that call gave it; every other option but O(node_usage) is ignored.
+      - "{} (the default): check the request and plan it."
+    type: dict
+    default: {}
+  node_usage:
+    description:
+      - What llama.cluster.llama_node_usage read on the nodes just before, as the task looped over
+        them registers it (its C(results); each names its node as C(item)). A node without a
+        result (not read, unreachable, failed) is planned from its facts. [] plans every node from
+        its facts.
+    type: list
+    elements: raw
+    default: []
   dataset:
     description:
       - Catalogue dataset names, comma-separated ("" = datasets_default, unless O(dataset_file)).
@@ -215,6 +239,12 @@ read_on_master:
 notes:
   description: Where the model comes from, what a dataset check left out, then the plan's summary.
   type: list
+checked:
+  description:
+    - What was checked and planned (the request, the model, the datasets, the staging request,
+      the notes before the summary, the run id), for a later call's O(replan). Absent with
+      read_on_master.
+  type: dict
 """
 
 TRAINING_SETTINGS = {
@@ -359,7 +389,7 @@ class ActionModule(ActionBase):
         self._vars = task_vars
         self._changed = False
         try:
-            plan, notes = self._plan(asked)
+            plan, notes, checked = self._plan(asked)
         except MasterRead as read:
             return {**result, "changed": self._changed, "read_on_master": read.path}
         except Refused as err:
@@ -367,7 +397,13 @@ class ActionModule(ActionBase):
         except AnsibleError as err:  # the planner's PlanError, the inventory's filter errors
             message = err.args[0] if err.args else str(err)
             return {**result, "failed": True, "changed": self._changed, "msg": message}
-        return {**result, "changed": self._changed, "plan": plan, "notes": notes}
+        return {
+            **result,
+            "changed": self._changed,
+            "plan": plan,
+            "notes": notes,
+            "checked": checked,
+        }
 
     def _var(self, name: str, default: Any = None) -> Any:  # noqa: ANN401 - any variable
         """A variable of the play, templated (default when the play has none)."""
@@ -377,16 +413,48 @@ class ActionModule(ActionBase):
             return default
         return self._templar.template(self._vars[name])
 
-    def _plan(self, asked: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-        """The plan and the lines to show; raises Refused or the planner's error."""
+    def _plan(self, asked: dict[str, Any]) -> tuple[dict[str, Any], list[str], dict[str, Any]]:
+        """The plan, the lines to show and what was checked (for O(replan)); raises Refused or
+        the planner's error."""
         settings = {key: self._var(name) for key, name in TRAINING_SETTINGS.items()}
         settings["stages"] = list(DEEPSPEED_STAGES)
         settings["shared_storage"] = bool(self._var("training_shared_storage", False))
+        hostvars, groups = self._vars["hostvars"], self._var("groups")
+        checked = (asked["replan"] or {}).get("checked")
+        if not checked:
+            checked = self._check(asked, settings, hostvars, groups)
+        request = checked["request"]
+        ranks = cluster_ranks(groups, hostvars)
+        nprocs = {host: node_nproc(hostvars[host]) for host in ranks}
+        plan = assemble(
+            request,
+            model=checked["model"],
+            nodes=describe_nodes(ranks, hostvars, nprocs, usage_by_host(asked["node_usage"])),
+            ranks=ranks,
+            datasets=checked["datasets"],
+            settings=settings,
+        )
+        if checked["staging"] is not None:
+            plan["model_stage"] = checked["staging"]
+        if checked.get("run_id"):
+            self._rename(plan, checked["run_id"])
+        elif asked["claim_run_id"] and not plan["resume"] and not self._task.check_mode:
+            self._rename(plan, self._claim(request))
+        return plan, checked["notes"] + plan["summary"], {**checked, "run_id": plan["run_id"]}
+
+    def _check(
+        self,
+        asked: dict[str, Any],
+        settings: Mapping[str, Any],
+        hostvars: Mapping[str, Any],
+        groups: Mapping[str, list[str]],
+    ) -> dict[str, Any]:
+        """The request checked, with its model (found, and probed unless O(probe_model) is
+        false), its datasets checked record by record, the staging request and the notes so
+        far; raises Refused or the planner's error."""
         entry, problems = find_model(settings["catalogue"], asked["model"], asked["model_path"])
         request = check_request(self._request(asked), DEEPSPEED_STAGES, problems)
-        hostvars, groups = self._vars["hostvars"], self._var("groups")
-        ranks = cluster_ranks(groups, hostvars)
-        cluster_accelerator(list(ranks), hostvars)
+        cluster_accelerator(list(cluster_ranks(groups, hostvars)), hostvars)
         notes: list[str] = []
         staging = None
         self._token_note = ""
@@ -398,28 +466,26 @@ class ActionModule(ActionBase):
                 notes.append(self._token_note)
         datasets, records = self._datasets(asked, notes)
         request["dataset_records"] = records
-        nprocs = {host: node_nproc(hostvars[host]) for host in ranks}
-        plan = assemble(
-            request,
-            model=resolve_model(request, entry),
-            nodes=describe_nodes(ranks, hostvars, nprocs),
-            ranks=ranks,
-            datasets=datasets,
-            settings=settings,
-        )
-        if staging is not None:
-            plan["model_stage"] = staging
-        if asked["claim_run_id"] and not plan["resume"] and not self._task.check_mode:
-            self._claim(plan, request)
-        return plan, notes + plan["summary"]
+        return {
+            "request": request,
+            "model": resolve_model(request, entry),
+            "datasets": datasets,
+            "staging": staging,
+            "notes": notes,
+            "run_id": "",
+        }
 
-    def _claim(self, plan: dict[str, Any], request: Mapping[str, Any]) -> None:
-        """The run's id made unique on this controller, in the plan and in its summary."""
-        planned = plan["run_id"]
+    def _claim(self, request: Mapping[str, Any]) -> str:
+        """The run's id made unique on this controller (its directory made)."""
         runs = Path(self._var("controller_runs_dir"))
-        plan["run_id"] = claim_run_id(runs, request["timestamp"], request["model"])
-        plan["summary"] = [line.replace(planned, plan["run_id"]) for line in plan["summary"]]
         self._changed = True
+        return claim_run_id(runs, request["timestamp"], request["model"])
+
+    @staticmethod
+    def _rename(plan: dict[str, Any], run_id: str) -> None:
+        """The run's id set in the plan and in its summary."""
+        planned, plan["run_id"] = plan["run_id"], run_id
+        plan["summary"] = [line.replace(planned, run_id) for line in plan["summary"]]
 
     def _request(self, asked: Mapping[str, Any]) -> dict[str, Any]:
         """What the user asked for, as check_request and resolve_model read it."""
