@@ -585,3 +585,27 @@ def test_the_action_refuses_a_held_gpu_after_the_request_was_checked(
     assert "Other work holds GPUs this run needs" in out
     assert f"GPU 0 ({H100}) is held by pid 48213 (user {pwd.getpwuid(NOBODY).pw_name}:" in out
     assert "-e gpu_memory_gib=N (N <= 27.1" in out
+
+
+def test_train_yml_reads_every_node_and_plans_the_run_again_for_what_is_free(
+    tmp_path: Path,
+) -> None:
+    # Two CPU nodes on this machine (a local connection): the read runs for real on each, after
+    # the request was checked and planned from the facts; the plan is then made again with it.
+    local = {"ansible_connection": "local", "cluster_accelerator": "cpu", "nproc_per_node": 1}
+    inventory = _inventory(tmp_path, {"a": json.dumps(local)}, {"b": json.dumps(local)})
+    rc, out = _train(inventory, "-e", "model=tiny", "--tags", "none", "-v")
+    assert rc == 0, out[-3000:]
+    read = out.index("TASK [Train | Read what the GPUs and memory of every node hold now]")
+    assert out.index("TASK [Train | Check the model, datasets, cluster") < read
+    assert "ok: [localhost -> a] => (item=a)" in out[read:]
+    assert "ok: [localhost -> b] => (item=b)" in out[read:]
+    again = out.index("TASK [Train | Plan the run again for what is free on every node now]")
+    assert re.search(r"host_memory_source: available now \((MemAvailable|the cgroup)", out[again:])
+    assert out.index("TASK [Train | Show the plan]") > again
+    # -e plan_free_memory=false: the facts alone, no read.
+    rc, out = _train(
+        inventory, "-e", "model=tiny", "--tags", "none", "-e", "plan_free_memory=false"
+    )
+    assert rc == 0, out[-3000:]
+    assert "ok: [localhost -> a]" not in out
