@@ -576,6 +576,14 @@ def test_the_action_plans_again_for_what_is_free_keeping_the_run(
     assert any("(27.1 GiB free now" in line for line in now["notes"])
 
 
+def test_planned_again_without_reads_the_plan_is_the_same(tmp_path: Path) -> None:
+    # What the first call checked comes back through Ansible's registered result unchanged.
+    rc, out = _plan_twice(tmp_path, [])
+    assert rc == 0, out[-3000:]
+    first, now = json.loads((tmp_path / "results.json").read_text())
+    assert (now["plan"], now["notes"]) == (first["plan"], first["notes"])
+
+
 def test_the_action_refuses_a_held_gpu_after_the_request_was_checked(
     tmp_path: Path, proc: Path
 ) -> None:
