@@ -642,6 +642,7 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, s
     # train.yml's first play: a cache of the controller, no node's): made here once, so that each
     # case's recap counts what the bad dataset changed, which must be nothing.
     made = ["-e", f"controller_runs_dir={tmp / 'runs'}"]  # the plan claims its run there
+    made += ["-e", "plan_free_memory=false"]  # the nodes answer nothing: plan from their facts
     rc, out = _run(["-i", str(inventory), "-e", "model=tiny", "--tags", "none", *made], tmp)
     assert rc == 0, out[-3000:]
 

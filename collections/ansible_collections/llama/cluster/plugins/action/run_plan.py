@@ -48,16 +48,213 @@ from ansible_collections.llama.cluster.plugins.module_utils.planner.model import
 from ansible_collections.llama.cluster.plugins.module_utils.planner.nodes import (
     cluster_accelerator,
     describe_nodes,
+    usage_by_host,
 )
 from ansible_collections.llama.cluster.plugins.module_utils.planner.schema import (
     DEEPSPEED_STAGES,
     check_request,
 )
 
-# The options, their types and defaults are documented once, in the module stub that ansible-doc
-# reads (plugins/modules/run_plan.py: an action's documentation lives in a module of its name);
-# option_spec reads them there, as ansible-doc does, without importing it.
-DOCUMENTED = Path(__file__).resolve().parents[1] / "modules" / "run_plan.py"
+DOCUMENTATION = r"""
+action: run_plan
+short_description: Check a training request and plan a new run, on the controller
+description:
+  - Runs in train.yml's first play (localhost) before any node changes, for a new run. Finds the
+    model in models_catalogue (one lookup, module_utils/planner/model.py find_model), checks the
+    request once (one message lists every bad value, the model's first), the inventory's ranks and
+    accelerator.
+  - The model's config.json is read on the controller. A generated model (the catalogue's tiny)
+    is made first by scripts/make_tiny_model.py (once; a second run changes nothing). A
+    directory of the controller is read where it is (and rsync must be there to copy it). A hub
+    id is asked for with one GET of config.json at its endpoint, which pins the revision to the
+    hub's commit; the Hugging Face token is sent to huggingface.co only, or to any endpoint with
+    hf_token_to_endpoint=true. A directory on shared storage is read on the controller, or from
+    O(shared_config) where only the nodes mount it.
+  - Each dataset (datasets_catalogue, or O(dataset_file)) is checked record by record with
+    llama.cluster.llama_dataset_check on the controller.
+  - Returns C(plan), the plan every node renders (roles/run_config), with C(plan.model), the
+    model with C(plan.model.path), its path on every node (train.yaml's model_name_or_path),
+    and C(plan.model_stage), the request every node stages there (roles/model_stage; no secrets
+    in it); and C(notes), the lines to show before launch. Fails with the problem and its fix,
+    changing nothing on any node.
+  - Reads the project's settings from the play's variables (models_catalogue, datasets_catalogue,
+    datasets_formats, datasets_default, training_* (training_shared_storage for the checkpoints'
+    disk estimate), the hub settings of group_vars/all/models.yml,
+    tiny_model_*, controller_runs_dir, project_dir) and every node's hostvars and facts; a GPU
+    node's facts must be gathered or cached before (train.yml reads the missing ones first).
+  - With O(node_usage), the GPU and host memory each node has free at train time are planned
+    for instead of the facts' totals, and a GPU the run needs that another process holds is
+    refused naming the node, the GPU, the process and the way out (module_utils/planner/nodes.py).
+    train.yml plans a new run from the facts first, so that a bad request is refused before any
+    node is contacted, then reads the nodes and plans it again with O(replan) and O(node_usage).
+options:
+  model:
+    description: Catalogue name of the model (-e model), or a name of one's own with O(model_path).
+    type: str
+    default: ""
+  model_path:
+    description: Override of the catalogue's path (a hub id, or a directory).
+    type: str
+    default: ""
+  model_revision:
+    description:
+      - Hub revision (branch, tag or commit); default main (Hugging Face) or master (ModelScope).
+    type: str
+    default: ""
+  model_shared:
+    description: The path is a directory at the same path on every node (shared storage).
+    type: bool
+    default: false
+  shared_config:
+    description:
+      - config.json of a model on shared storage that the controller does not mount, base64, as
+        ansible.builtin.slurp read it on the master ("" = none read).
+    type: str
+    default: ""
+  ask_master:
+    description:
+      - true, for a model on shared storage whose config.json is neither on the controller nor in
+        O(shared_config), returns C(read_on_master) (that config.json's path) instead of failing,
+        and plans nothing; the play reads it on the master and calls the action again with
+        O(shared_config) (train.yml does). false refuses, naming the master.
+    type: bool
+    default: false
+  probe_model:
+    description:
+      - false plans from the catalogue alone, offline (no hub request, nothing generated, no
+        config.json read); the plan then has no model_stage.
+    type: bool
+    default: true
+  claim_run_id:
+    description:
+      - true (train.yml) makes a new run's directory under controller_runs_dir once it is
+        planned, so that no other run started from this controller takes the same id; a run
+        planned in the same second as another gets the next free second's id. Not in check mode.
+    type: bool
+    default: false
+  model_template:
+    description: Override of the model's chat template.
+    type: str
+    default: ""
+  finetuning_type:
+    description: Override of the fine-tuning type (lora, freeze, full).
+    type: str
+    default: ""
+  lora_target:
+    description: Override of the LoRA target modules.
+    type: str
+    default: ""
+  cutoff_len:
+    description: Override of the cutoff length, an integer >= 1 (0 keeps the catalogue's).
+    type: raw
+    default: 0
+  model_params_b:
+    description:
+      - The model's size in billions of parameters ("" = the catalogue's, or counted from
+        config.json).
+    type: raw
+    default: ""
+  trust_remote_code:
+    description: Run the model's own modelling code (needed when its config.json has auto_map).
+    type: raw
+    default: false
+  deepspeed:
+    description:
+      - auto, none, zero0, zero1, zero2, zero3, zero3_offload or fsdp (default training_deepspeed).
+    type: str
+  train_args:
+    description: LLaMA-Factory training arguments (a mapping) that win over every default.
+    type: raw
+    default: {}
+  tokens_per_step:
+    description:
+      - Tokens per process per optimizer step, an integer >= 1 (default training_tokens_per_step).
+    type: raw
+  allow_slow_scaling:
+    description:
+      - Train even where the cost model predicts that the nodes would train slower than fewer
+        nodes, or below 60 % of linear scaling (otherwise refused before launch).
+    type: raw
+    default: false
+  fp8:
+    description:
+      - Train in FP8 (torchao float8 linear layers) on GPUs of compute capability 8.9 or newer,
+        with plain DDP and torchao installed on every node (llamafactory_extras); refused
+        elsewhere, naming the nodes.
+    type: raw
+    default: false
+  max_restarts:
+    description: Restarts allowed after a failure, an integer >= 0 (recorded in the plan).
+    type: raw
+    default: 0
+  replan:
+    description:
+      - This action's result for the same request (registered by an earlier call), to plan it
+        again, e.g. with O(node_usage). The request, model and datasets that call checked are
+        planned as they are (no second hub request, dataset check or model generation) and the
+        run keeps the id that call gave it; every other option but O(node_usage) is ignored.
+      - "{} (the default): check the request and plan it."
+    type: dict
+    default: {}
+  node_usage:
+    description:
+      - What llama.cluster.llama_node_usage read on the nodes just before, as the task looped over
+        them registers it (its C(results); each names its node as C(item)). A node without a
+        result (not read, unreachable, failed) is planned from its facts. [] plans every node from
+        its facts.
+    type: list
+    elements: raw
+    default: []
+  dataset:
+    description:
+      - Catalogue dataset names, comma-separated ("" = datasets_default, unless O(dataset_file)).
+    type: str
+    default: ""
+  dataset_file:
+    description: A dataset file on the controller, instead of (or added to) catalogue entries.
+    type: str
+    default: ""
+  dataset_format:
+    description: Format of O(dataset_file), a key of datasets_formats (alpaca, sharegpt, openai).
+    type: str
+    default: alpaca
+  dataset_skip_invalid:
+    description:
+      - Train on the valid records of a dataset that has invalid ones (written to
+        controller_runs_dir/datasets/) instead of failing (default dataset_skip_invalid).
+    type: raw
+author: llama-cluster
+"""
+
+EXAMPLES = r"""
+- name: Train | Check the request and plan the run
+  llama.cluster.run_plan:
+    model: "{{ model | default('') }}"
+    dataset: "{{ dataset | default('') }}"
+  register: planned
+"""
+
+RETURN = r"""
+plan:
+  description:
+    - The run (roles/run_config renders it), with model (model.path is train.yaml's
+      model_name_or_path) and model_stage, the staging request. Absent with read_on_master.
+  type: dict
+read_on_master:
+  description:
+    - With O(ask_master), the config.json to read on the master, for a model on shared storage that
+      the controller does not mount; nothing was planned.
+  type: str
+notes:
+  description: Where the model comes from, what a dataset check left out, then the plan's summary.
+  type: list
+checked:
+  description:
+    - What was checked and planned (the request, the model, the datasets, the staging request,
+      the notes before the summary, the run id), for a later call's O(replan). Absent with
+      read_on_master.
+  type: dict
+"""
 
 TRAINING_SETTINGS = {
     "catalogue": "models_catalogue",
@@ -216,7 +413,7 @@ class ActionModule(ActionBase):
         self._vars = task_vars
         self._changed = False
         try:
-            plan, notes = self._plan(asked)
+            plan, notes, checked = self._plan(asked)
         except MasterRead as read:
             return {**result, "changed": self._changed, read.key: read.value}
         except Refused as err:
@@ -224,7 +421,13 @@ class ActionModule(ActionBase):
         except AnsibleError as err:  # the planner's PlanError, the inventory's filter errors
             message = err.args[0] if err.args else str(err)
             return {**result, "failed": True, "changed": self._changed, "msg": message}
-        return {**result, "changed": self._changed, "plan": plan, "notes": notes}
+        return {
+            **result,
+            "changed": self._changed,
+            "plan": plan,
+            "notes": notes,
+            "checked": checked,
+        }
 
     def _var(self, name: str, default: Any = None) -> Any:  # noqa: ANN401 - any variable
         """A variable of the play, templated (default when the play has none)."""
@@ -234,16 +437,55 @@ class ActionModule(ActionBase):
             return default
         return self._templar.template(self._vars[name])
 
-    def _plan(self, asked: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-        """The plan and the lines to show; raises Refused or the planner's error."""
+    def _plan(self, asked: dict[str, Any]) -> tuple[dict[str, Any], list[str], dict[str, Any]]:
+        """The plan, the lines to show and what was checked (for O(replan)); raises Refused or
+        the planner's error."""
         settings = {key: self._var(name) for key, name in TRAINING_SETTINGS.items()}
         settings["stages"] = list(DEEPSPEED_STAGES)
         settings["shared_storage"] = bool(self._var("training_shared_storage", False))
+        hostvars, groups = self._vars["hostvars"], self._var("groups")
+        checked = (asked["replan"] or {}).get("checked")
+        if not checked:
+            checked = self._check(asked, settings, hostvars, groups)
+        request = checked["request"]
+        ranks = cluster_ranks(groups, hostvars)
+        nprocs = {host: node_nproc(hostvars[host]) for host in ranks}
+        plan = assemble(
+            request,
+            model=checked["model"],
+            nodes=describe_nodes(ranks, hostvars, nprocs, usage_by_host(asked["node_usage"])),
+            ranks=ranks,
+            datasets=checked["datasets"],
+            settings=settings,
+        )
+        if checked["staging"] is not None:
+            plan["model_stage"] = checked["staging"]
+        if self._task.check_mode:
+            # Nothing is claimed: the id is what a run started now would be called.
+            planned = f"Run {plan['run_id']}:"
+            plan["summary"] = [
+                line.replace(planned, "Plan only (--check, no run started):")
+                for line in plan["summary"]
+            ]
+        elif checked.get("run_id"):
+            self._rename(plan, checked["run_id"])
+        elif asked["claim_run_id"] and not plan["resume"]:
+            self._rename(plan, self._claim(request))
+        return plan, checked["notes"] + plan["summary"], {**checked, "run_id": plan["run_id"]}
+
+    def _check(
+        self,
+        asked: dict[str, Any],
+        settings: Mapping[str, Any],
+        hostvars: Mapping[str, Any],
+        groups: Mapping[str, list[str]],
+    ) -> dict[str, Any]:
+        """The request checked, with its model (found, and probed unless O(probe_model) is
+        false), its datasets checked record by record, the staging request and the notes so
+        far; raises Refused or the planner's error."""
         entry, problems = find_model(settings["catalogue"], asked["model"], asked["model_path"])
         request = check_request(self._request(asked), DEEPSPEED_STAGES, problems)
-        hostvars, groups = self._vars["hostvars"], self._var("groups")
-        ranks = cluster_ranks(groups, hostvars)
-        cluster_accelerator(list(ranks), hostvars)
+        cluster_accelerator(list(cluster_ranks(groups, hostvars)), hostvars)
         notes: list[str] = []
         staging = None
         self._token_note = ""
@@ -255,35 +497,26 @@ class ActionModule(ActionBase):
                 notes.append(self._token_note)
         datasets, records = self._datasets(asked, notes)
         request["dataset_records"] = records
-        nprocs = {host: node_nproc(hostvars[host]) for host in ranks}
-        plan = assemble(
-            request,
-            model=resolve_model(request, entry),
-            nodes=describe_nodes(ranks, hostvars, nprocs),
-            ranks=ranks,
-            datasets=datasets,
-            settings=settings,
-        )
-        if staging is not None:
-            plan["model_stage"] = staging
-        if self._task.check_mode:
-            # Nothing is claimed: the id is what a run started now would be called.
-            planned = f"Run {plan['run_id']}:"
-            plan["summary"] = [
-                line.replace(planned, "Plan only (--check, no run started):")
-                for line in plan["summary"]
-            ]
-        elif asked["claim_run_id"] and not plan["resume"]:
-            self._claim(plan, request)
-        return plan, notes + plan["summary"]
+        return {
+            "request": request,
+            "model": resolve_model(request, entry),
+            "datasets": datasets,
+            "staging": staging,
+            "notes": notes,
+            "run_id": "",
+        }
 
-    def _claim(self, plan: dict[str, Any], request: Mapping[str, Any]) -> None:
-        """The run's id made unique on this controller, in the plan and in its summary."""
-        planned = plan["run_id"]
+    def _claim(self, request: Mapping[str, Any]) -> str:
+        """The run's id made unique on this controller (its directory made)."""
         runs = Path(self._var("controller_runs_dir"))
-        plan["run_id"] = claim_run_id(runs, request["timestamp"], request["model"])
-        plan["summary"] = [line.replace(planned, plan["run_id"]) for line in plan["summary"]]
         self._changed = True
+        return claim_run_id(runs, request["timestamp"], request["model"])
+
+    @staticmethod
+    def _rename(plan: dict[str, Any], run_id: str) -> None:
+        """The run's id set in the plan and in its summary."""
+        planned, plan["run_id"] = plan["run_id"], run_id
+        plan["summary"] = [line.replace(planned, run_id) for line in plan["summary"]]
 
     def _request(self, asked: Mapping[str, Any]) -> dict[str, Any]:
         """What the user asked for, as check_request and resolve_model read it."""

@@ -9,9 +9,12 @@ ansible.errors):
   project's settings the planner reads (`Settings`);
 - `model`: the model from the catalogue (`find_model`), `-e` overrides and its config.json
   (`resolve_model`), and where it comes from and lives on every node (`model_stage_source`);
-- `nodes`: every node's accelerator, processes and GPU memory from its facts (`describe_nodes`);
+- `nodes`: every node's accelerator, processes and GPU memory from its facts, or from what is
+  free on it at train time, refusing a GPU another process holds (`describe_nodes`);
 - `memory` and `measured_memory`: the memory model; `cost`: the predicted step time
   (tests/test_cost_model.py); `links`: the link between the nodes (`run_link`);
+- `techniques`: the memory-saving techniques the search tries besides the stages (8-bit AdamW,
+  Liger, QLoRA) and the numerics policy that allows or forbids them (`candidates`);
 - `search`: the candidates that fit, ranked by predicted step time, the scaling over 1..N nodes
   and the go/no-go (`ranked`, `scaling`, `assess`);
 - `decisions`: micro-batch, accumulation, checkpointing, torch.compile and FP8 (`choose_batch`,
