@@ -157,8 +157,8 @@ kept:
 unruled:
   description:
     - When this call turns ufw on, the TCP ports processes listen on (other than on loopback)
-      that no rule names, each with the processes' names; after it, only the sources allowed on
-      every port reach them.
+      that no rule names, each with the processes' names and as text (C(9100/tcp (python3)));
+      after it, only the sources allowed on every port reach them.
   type: list
   returned: always
 """
@@ -220,13 +220,12 @@ def unruled(rules: list[ufwtext.Rule]) -> list[dict[str, Any]]:
         if table.exists():
             for port, inodes in ufwtext.listening_sockets(table.read_text()).items():
                 listening.setdefault(port, set()).update(inodes)
-    return [
-        {
-            "port": port,
-            "processes": sorted({n for inode in listening[port] for n in owners.get(inode, ())}),
-        }
-        for port in ufwtext.unruled_ports(listening, rules)
-    ]
+    found = []
+    for port in ufwtext.unruled_ports(listening, rules):
+        processes = sorted({n for inode in listening[port] for n in owners.get(inode, ())})
+        seen = ", ".join(processes) or "process not seen"
+        found.append({"port": port, "processes": processes, "text": f"{port}/tcp ({seen})"})
+    return found
 
 
 def save_state(directory: Path, active: bool) -> None:

@@ -42,6 +42,11 @@ description:
     disk estimate), the hub settings of group_vars/all/models.yml,
     tiny_model_*, controller_runs_dir, project_dir) and every node's hostvars and facts; a GPU
     node's facts must be gathered or cached before (train.yml reads the missing ones first).
+  - With O(node_usage), the GPU and host memory each node has free at train time are planned
+    for instead of the facts' totals, and a GPU the run needs that another process holds is
+    refused naming the node, the GPU, the process and the way out (module_utils/planner/nodes.py).
+    train.yml plans a new run from the facts first, so that a bad request is refused before any
+    node is contacted, then reads the nodes and plans it again with O(replan) and O(node_usage).
 options:
   model:
     description: Catalogue name of the model (-e model), or a name of one's own with O(model_path).
@@ -166,6 +171,24 @@ options:
     description: Restarts allowed after a failure, an integer >= 0 (recorded in the plan).
     type: raw
     default: 0
+  replan:
+    description:
+      - This action's result for the same request (registered by an earlier call), to plan it
+        again, e.g. with O(node_usage). The request, model and datasets that call checked are
+        planned as they are (no second hub request, dataset check or model generation) and the
+        run keeps the id that call gave it; every other option but O(node_usage) is ignored.
+      - "{} (the default): check the request and plan it."
+    type: dict
+    default: {}
+  node_usage:
+    description:
+      - What llama.cluster.llama_node_usage read on the nodes just before, as the task looped over
+        them registers it (its C(results); each names its node as C(item)). A node without a
+        result (not read, unreachable, failed) is planned from its facts. [] plans every node from
+        its facts.
+    type: list
+    elements: raw
+    default: []
   dataset:
     description:
       - Catalogue dataset names, comma-separated ("" = datasets_default, unless O(dataset_file)).
@@ -215,4 +238,10 @@ hub_on_master:
 notes:
   description: Where the model comes from, what a dataset check left out, then the plan's summary.
   type: list
+checked:
+  description:
+    - What was checked and planned (the request, the model, the datasets, the staging request,
+      the notes before the summary, the run id), for a later call's O(replan). Absent with
+      read_on_master.
+  type: dict
 """
