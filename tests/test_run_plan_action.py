@@ -366,6 +366,8 @@ def test_train_yml_check_prints_the_plan_and_leaves_nothing_behind(
     )
     extra = ["-e", "model=mine", "-e", "model_path=org/mine", "-e", "model_template=qwen"]
     extra += ["-e", "finetuning_type=full", "-e", f"hf_endpoint={hub}"]
+    # Its nodes answer nothing (TEST-NET): the plan is made from their facts, not a read.
+    extra += ["-e", "plan_free_memory=false"]
     rc, out = _playbook(tmp_path, "train.yml", "--check", *extra, inventory=inventory)
     assert rc == 0, out[-3000:]
     said = " ".join(out.split())
@@ -388,7 +390,7 @@ def test_train_yml_check_prints_the_plan_and_leaves_nothing_behind(
     published = said[said.index("CUSTOM STATS") :]
     assert "llama_plan" in published
     assert "llama_run_id" not in published
-    assert "PLAN (check mode" not in said  # the provision plan's block: no node's change to list
+    assert "PREVIEW (" not in said  # the provision preview's block: no node's change to list
     assert not (tmp_path / "runs").exists()
     assert list(_scratch(tmp_path).iterdir()) == []
 
