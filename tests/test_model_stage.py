@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import posixpath
 import struct
 import subprocess
 import sys
@@ -73,9 +74,24 @@ def test_modelscope_uses_its_own_id_api_and_default_revision() -> None:
 def test_a_controller_directory_is_copied_under_the_models_directory() -> None:
     request = source({"path": "/data/checkpoints/my-qwen/"})
     assert (request["kind"], request["source"]) == ("controller", "/data/checkpoints/my-qwen")
-    assert request["path"] == "/opt/llama-cluster/models/my-qwen"
+    digest = hashlib.sha256(b"/data/checkpoints/my-qwen").hexdigest()[:12]
+    assert request["path"] == f"/opt/llama-cluster/models/my-qwen-{digest}"
+    assert request["path"] in request["summary"]
     home = source({"path": "~/models/x"})
     assert home["source"] == os.path.expanduser("~/models/x")
+
+
+def test_two_controller_directories_of_one_name_are_two_node_directories() -> None:
+    """.../exp1/checkpoint-500 and .../exp2/checkpoint-500 were one node directory, which rsync
+    --delete turned from one into the other: a resume then trained on the wrong weights."""
+    first = source({"path": "/data/exp1/checkpoint-500"})["path"]
+    second = source({"path": "/data/exp2/checkpoint-500"})["path"]
+    assert first != second
+    assert {posixpath.dirname(first), posixpath.dirname(second)} == {"/opt/llama-cluster/models"}
+    assert posixpath.basename(first).startswith("checkpoint-500-")
+    # One directory, however it is written, is one node directory (a run staged again reuses it).
+    again = source({"path": "/data/exp1/./checkpoint-500/"})["path"]
+    assert again == first
 
 
 def test_a_shared_directory_is_used_where_it_is() -> None:

@@ -19,6 +19,7 @@ apart).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import posixpath
 import re
@@ -296,8 +297,14 @@ def _shared(request: dict[str, Any], path: str) -> dict[str, Any]:
 def _local(
     request: dict[str, Any], path: str, settings: Mapping[str, Any], generated: bool
 ) -> dict[str, Any]:
-    """A directory of the controller: copied into the models directory of every node."""
-    source = posixpath.expanduser(path).rstrip("/")
+    """A directory of the controller: copied into the models directory of every node.
+
+    A user's directory is named there by its name and a digest of its path on the controller
+    (`checkpoint-500-<12 hex digits>`): two directories of the same name (.../exp1/checkpoint-500
+    and .../exp2/checkpoint-500) are two node directories, never one that rsync --delete turns
+    from one into the other. The generated model keeps its catalogue path (the models
+    catalogue's `tiny`, which a model server names too)."""
+    source = posixpath.normpath(posixpath.expanduser(path)).rstrip("/")
     base = posixpath.basename(source)
     if not base or base.startswith(".") or base in RESERVED:
         return _failed(
@@ -305,7 +312,8 @@ def _local(
             f"the directory {path} cannot be copied under {settings['models_dir']}: name it "
             f"something other than {', '.join(RESERVED)} or a name starting with '.'.",
         )
-    target = posixpath.join(settings["models_dir"], base)
+    name = base if generated else f"{base}-{source_digest(source)}"
+    target = posixpath.join(settings["models_dir"], name)
     made = "generated on the controller" if generated else "the controller's"
     return {
         **request,
@@ -315,6 +323,12 @@ def _local(
         "path": target,
         "summary": f"{source} ({made}), copied to {target} on every node that lacks it",
     }
+
+
+def source_digest(source: str) -> str:
+    """The 12 hex digits that tell a controller directory's copy from another of the same name:
+    a digest of its absolute, normalised path."""
+    return hashlib.sha256(source.encode()).hexdigest()[:12]
 
 
 def _hub(
