@@ -94,7 +94,8 @@ def job_failure_message(data: Mapping[str, Any], ranks: Mapping[str, int]) -> st
 def job_found_files(
     hosts: list[str], hostvars: Mapping[str, Any], register: str
 ) -> dict[str, list[dict[str, Any]] | None]:
-    """Per node, the entries a registered `find` returned; None where the node did not answer."""
+    """Per node, the entries a registered llama_checkpoints (or `find`) returned; None where the
+    node did not answer."""
     found: dict[str, list[dict[str, Any]] | None] = {}
     for host in hosts:
         result = hostvars[host].get(register) if host in hostvars else None
@@ -164,8 +165,8 @@ def resume_of(
 def job_resume(
     checkpoints: Mapping[str, Any] | None, run_id: str, run_dir: str, sharded: bool = False
 ) -> dict[str, Any]:
-    """The checkpoint a resume of `run_id` would continue from, given what `find` found on each
-    node (job_found_files' shape): a Resume's JSON (checkpoint None: the message says why)."""
+    """The checkpoint a resume of `run_id` would continue from, given what each node holds
+    (job_found_files' shape): a Resume's JSON (checkpoint None: the message says why)."""
     return resume_of(checkpoints, run_id, run_dir, sharded).to_dict()
 
 
@@ -177,7 +178,7 @@ def job_run_summary(
 ) -> dict[str, Any] | None:
     """What a user wants to know of an ended run (succeeded, failed or stopped), from its job
     status and, for a failed or stopped run, the checkpoints every node holds (job_found_files
-    of a `find` for checkpoint-* and trainer_state.json in the output dir): a RunSummary's JSON.
+    of llama_checkpoints in the output dir): a RunSummary's JSON.
     None for a run that has not ended."""
     status = JobStatus.from_dict(data)
     if not status.phase.is_terminal():

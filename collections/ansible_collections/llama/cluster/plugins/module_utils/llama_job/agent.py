@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .checkpoints import resume_argument, set_aside, set_aside_dir
+from .checkpoints import NAME, checkpoint_problem, resume_argument, set_aside, set_aside_dir
 from .command import Command, Ended
 from .launchers import current_limits
 from .logs import read_env_file
@@ -165,9 +165,15 @@ class NodeAgent:
         self.resume_from = checkpoint if isinstance(checkpoint, str) else None
         target = set_aside_dir(directory, plan.get("stamp"))
         names = _mapping(plan.get("set_aside")).get(self.host) or []
-        moved = set_aside(directory, [str(n) for n in names], target) if target else []
+        why = {
+            str(n): checkpoint_problem(os.path.join(directory, str(n))) or "not on every node"
+            for n in names
+            if NAME.match(str(n))
+        }
+        moved = set_aside(directory, list(why), target) if target else []
         if moved:
-            self.say(f"set aside {', '.join(moved)} (not on every node, or cut off) in {target}")
+            said = ", ".join(f"{name} ({why[name]})" for name in moved)
+            self.say(f"set aside {said} in {target}")
         self.say(f"attempt {self.attempt} resumes from {self.resume_from or 'the beginning'}")
 
     def start_command(self) -> Ended | None:
