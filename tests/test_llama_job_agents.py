@@ -4,9 +4,13 @@ breaks a node."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,7 +20,7 @@ from ansible_collections.llama.cluster.plugins.module_utils.llama_job import (
     protocol,
 )
 
-from tests.llama_job_support import Pair
+from tests.llama_job_support import TOOL, Pair
 
 
 def _failure(node: str, kind: protocol.FailureKind, at_s: float, *errors: str) -> protocol.Failure:
@@ -227,3 +231,49 @@ def test_a_stop_request_stops_every_node_without_restarting(pair_factory):
     assert pair.state("m")["phase"] == "stopped", pair.logs()
     assert pair.state("m")["restarts"] == []
     assert pair.leftovers() == []
+
+
+@pytest.mark.parametrize("planted", ["link", "fifo"])
+def test_an_agent_refuses_a_log_that_is_a_link_and_writes_nothing_through_it(
+    tmp_path: Path, planted: str
+):
+    # The node's log sits in the run's logs/, the job's own directory: a link planted there
+    # once made the agent append to, and chmod, whatever it pointed at.
+    victim = tmp_path / "victim"
+    victim.write_text("keep me\n")
+    victim.chmod(0o600)
+    log = tmp_path / "m.log"
+    if planted == "link":
+        log.symlink_to(victim)
+    else:
+        os.mkfifo(log)
+    spec = {
+        "job": "t",
+        "host": "m",
+        "rank": 0,
+        "nnodes": 1,
+        "role": "master",
+        "watchdog_port": 0,
+        "max_restarts": 0,
+        "cwd": str(tmp_path),
+        "log": str(log),
+        "state": str(tmp_path / "m.state.json"),
+        "env_file": str(tmp_path / "m.env"),
+        "command": [sys.executable, "-c", "pass"],
+    }
+    (tmp_path / "m.json").write_text(json.dumps(spec))
+    done = subprocess.run(
+        [sys.executable, str(TOOL), "run", "--spec", str(tmp_path / "m.json")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done
+    said = json.loads(done.stdout)["error"]
+    assert said.startswith(f"cannot open the node's log {log}: "), said  # a fifo: never waited on
+    if planted == "link":
+        assert said.endswith("it is a link: refused, never followed"), said
+    assert victim.read_text() == "keep me\n"
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o600
+    assert not (tmp_path / "m.state.json").exists(), "the agent ran"

@@ -4,14 +4,16 @@ the state file that `status` reads, the failure records, and the run loop's fram
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import pwd
 import queue
 import signal
+import stat
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from .checkpoints import NAME, checkpoint_problem, resume_argument, set_aside, set_aside_dir
 from .command import Command, Ended
@@ -20,12 +22,28 @@ from .logs import read_env_file
 from .oom import describe_cause
 from .procs import become_subreaper
 from .protocol import VERSION, Failure, FailureKind, Phase, Restart, describe_exit, iso
-from .spec import JobSpec
+from .spec import JobSpec, Refused
 from .untrusted import read_untrusted, write_json
 
 
 def _mapping(value: object) -> Mapping[str, Any]:
     return value if isinstance(value, Mapping) else {}
+
+
+def open_log(path: str) -> BinaryIO:
+    """The node's log, appended to (made 0640 where missing); a link there is refused, never
+    followed: the log's directory is the job's, and whoever can write it could plant one."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o640)
+    except OSError as err:
+        why = "it is a link: refused, never followed" if err.errno == errno.ELOOP else err.strerror
+        raise Refused(f"cannot open the node's log {path}: {why}") from err
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise Refused(f"cannot open the node's log {path}: it is not a regular file")
+    os.fchmod(fd, 0o640)
+    return os.fdopen(fd, "ab", buffering=0)
 
 
 class NodeAgent:
@@ -36,8 +54,7 @@ class NodeAgent:
         self.t = spec.timeouts
         self.host = spec.host
         self.events: queue.Queue = queue.Queue()
-        self.log = open(spec.log, "ab", buffering=0)  # noqa: SIM115 - lives as long as the agent
-        os.chmod(spec.log, 0o640)
+        self.log = open_log(spec.log)
         self.command = Command(spec, self.environment(), self.log, self.say)
         self.attempt = 1
         self.phase = Phase.STARTING
