@@ -49,8 +49,11 @@ if os.environ.get("RANK_PID_FILE"):  # a rank as torch's elastic agent starts on
                             start_new_session=True)
     with open(os.environ["RANK_PID_FILE"], "w") as out:
         out.write(str(rank.pid))
+chatter = int(os.environ.get("CHATTER", "0"))  # bytes of output per step (a chatty command)
 for step in range(1, steps + 1):
     time.sleep(pause)
+    if chatter:
+        print(f"step {step} " + "x" * chatter, flush=True)
     if step == oom_at and os.environ.get("OOM_CGROUP"):  # into a small memory cgroup, and fill it
         with open(os.path.join(os.environ["OOM_CGROUP"], "cgroup.procs"), "w") as procs:
             procs.write(str(os.getpid()))

@@ -10,6 +10,7 @@ import pytest
 from ansible_collections.llama.cluster.plugins.filter.run_config import FilterModule
 from ansible_collections.llama.cluster.plugins.module_utils.planner.disk import (
     disk_budget,
+    log_bytes,
     lora_params,
 )
 from ansible_collections.llama.cluster.plugins.module_utils.planner.memory import GIB
@@ -131,9 +132,29 @@ def test_a_node_with_room_passes_and_a_resumed_run_is_not_checked_again() -> Non
     assert disk_budget({**plan, "resume": True}, {"n0": 0}, RUNS)["ok"]
 
 
+def test_the_node_logs_are_counted_beside_the_checkpoints() -> None:
+    # Issue 40: node logs grew without bound outside the disk budget. Rotated past 64 MiB with 3
+    # kept (group_vars/all/cluster.yml), a job's node log takes at most 4 x 64 MiB on a node.
+    plan = full_7b()
+    logs = log_bytes(64, 3)
+    assert logs == 256 << 20
+    needed = plan["disk"]["needed_bytes"]
+    just = {"n0": {"free": needed + (100 << 20), "path": RUNS}}
+    assert disk_budget(plan, just, RUNS)["ok"]
+    checked = disk_budget(plan, just, RUNS, logs)
+    assert not checked["ok"]
+    assert "369.1 GiB free, 369.3 GiB (4 checkpoints x 85.2 GiB" in checked["message"]
+    assert "and the node's logs, rotated, at most 0.2 GiB) needed" in checked["message"]
+    roomy = disk_budget(plan, {"n0": {"free": needed + logs, "path": RUNS}}, RUNS, logs)
+    assert roomy["ok"], roomy
+
+
 @pytest.mark.parametrize("free", [2 * GIB, 10 * GIB])
 def test_the_filter_is_the_planners_check(free: int) -> None:
     check = FilterModule().filters()["run_config_disk_budget"]
     plan = make_plan(model_config=QWEN25_7B_CONFIG)
     assert check(plan, {"n0": free}, RUNS) == disk_budget(plan, {"n0": free}, RUNS)
     assert check(plan, {"n0": free}, RUNS)["ok"]
+    assert check(plan, {"n0": free}, RUNS, "64", "3") == disk_budget(
+        plan, {"n0": free}, RUNS, log_bytes(64, 3)
+    )

@@ -277,3 +277,25 @@ def test_an_agent_refuses_a_log_that_is_a_link_and_writes_nothing_through_it(
     assert victim.read_text() == "keep me\n"
     assert stat.S_IMODE(victim.stat().st_mode) == 0o600
     assert not (tmp_path / "m.state.json").exists(), "the agent ran"
+
+
+def test_a_chatty_command_s_node_log_is_rotated_and_the_run_goes_on(tmp_path: Path):
+    # 80 steps of 2 KB of output (160 KB in 16 s) against a log rotated past 16 KiB with 2 kept
+    # (looked at every 5 s): the oldest output is gone, each file stays bounded, and the run ends
+    # as it would have.
+    rotate = {"log_rotate": {"max_bytes": 16 << 10, "keep": 2}}
+    pair = Pair(tmp_path, steps=80, CHATTER="2000", spec_extra={"m": rotate, "w": rotate})
+    try:
+        pair.wait_ended(timeout=120)
+        assert pair.state("m")["phase"] == "succeeded", pair.logs()
+        for host in ("m", "w"):
+            files = sorted(tmp_path.glob(f"{host}.log*"))
+            assert [p.name for p in files] == [f"{host}.log", f"{host}.log.1", f"{host}.log.2"]
+            text = "".join(p.read_text() for p in files)
+            assert "step 80 x" in text
+            assert "step 1 x" not in text, "nothing was dropped: the log grew without bound"
+            assert "rotated this log at" in text
+            # At most 5 s of output (25 steps x 2 KB) past the limit before a look rotates it.
+            assert max(p.stat().st_size for p in files) < (16 << 10) + 25 * 2010
+    finally:
+        pair.close()

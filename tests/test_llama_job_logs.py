@@ -3,6 +3,10 @@ status a launcher reports, the stall rule, environment files)."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+import pytest
 from ansible_collections.llama.cluster.plugins.module_utils.llama_job import (
     logs,
     protocol,
@@ -51,3 +55,67 @@ def test_environment_files_read_as_systemd_reads_them():
     env = logs.read_env_file('# comment\nA="1 2"\nB=plain\nC=""\n')
     assert env == {"A": "1 2", "B": "plain", "C": ""}
     assert logs.expand("--nnodes=${A}/${MISSING}", env) == "--nnodes=1 2/"
+
+
+# A node's log is rotated (issue 40: node logs grew without bound outside the disk budget): its
+# content moves to <log>.1, the older ones shift up to <log>.<keep>, the oldest goes, and the
+# log is emptied in place, so the command and the agent keep writing through their descriptor.
+
+
+def test_a_rotated_log_keeps_its_newest_files_and_the_writers_descriptor(tmp_path: Path):
+    path = tmp_path / "node1.log"
+    writer = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+    try:
+        for round_ in range(1, 5):
+            os.write(writer, f"round {round_}\n".encode())
+            assert logs.rotate_log(str(path), writer, keep=2)
+        os.write(writer, b"after\n")  # the same descriptor, at the start of the emptied log
+    finally:
+        os.close(writer)
+    assert path.read_text() == "after\n"
+    assert (tmp_path / "node1.log.1").read_text() == "round 4\n"
+    assert (tmp_path / "node1.log.2").read_text() == "round 3\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["node1.log", "node1.log.1", "node1.log.2"]
+
+
+def test_a_rotation_writes_nothing_through_a_link(tmp_path: Path):
+    victim = tmp_path / "victim"
+    victim.write_text("keep me\n")
+    logs_dir = tmp_path / "logs"
+    logs_dir.mkdir()
+    path = logs_dir / "node1.log"
+    path.write_text("a line\n")
+    (logs_dir / "node1.log.2").symlink_to(victim)  # shifted out: the link goes, not the file
+    (logs_dir / "node1.log.1").symlink_to(victim)  # shifted to .2, never written through
+    writer = os.open(path, os.O_WRONLY | os.O_APPEND)
+    try:
+        assert logs.rotate_log(str(path), writer, keep=2)
+    finally:
+        os.close(writer)
+    assert victim.read_text() == "keep me\n"
+    assert (logs_dir / "node1.log.1").read_text() == "a line\n"
+    assert not (logs_dir / "node1.log.1").is_symlink()
+    os.unlink(path)
+    path.symlink_to(victim)
+    held = os.open(victim, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError, match="symbolic links"):  # the log a link: nothing done
+            logs.rotate_log(str(path), held, keep=2)
+    finally:
+        os.close(held)
+    assert victim.read_text() == "keep me\n"
+
+
+def test_the_spec_bounds_the_rotation(tmp_path: Path):
+    raw = {
+        "job": "t", "host": "m", "rank": 0, "nnodes": 1, "role": "master", "watchdog_port": 0,
+        "max_restarts": 0, "cwd": "/", "log": "/l", "state": "/s", "env_file": "/e",
+        "command": ["true"],
+    }  # fmt: skip
+    default = job_spec.parse_spec("spec", raw)
+    assert (default.log_max_bytes, default.log_keep) == (64 << 20, 3)
+    given = job_spec.parse_spec("spec", {**raw, "log_rotate": {"max_bytes": 4096, "keep": 1}})
+    assert (given.log_max_bytes, given.log_keep) == (4096, 1)
+    for bad in ({"max_bytes": 10}, {"keep": 0}, {"keep": True}):
+        with pytest.raises(job_spec.Refused, match="log_rotate"):
+            job_spec.parse_spec("spec", {**raw, "log_rotate": bad})

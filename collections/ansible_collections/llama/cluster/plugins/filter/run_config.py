@@ -10,7 +10,10 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ansible_collections.llama.cluster.plugins.module_utils.planner.disk import disk_budget
+from ansible_collections.llama.cluster.plugins.module_utils.planner.disk import (
+    disk_budget,
+    log_bytes,
+)
 from ansible_collections.llama.cluster.plugins.module_utils.planner.nodes import (
     hosts_without_gpu_facts,
 )
@@ -210,6 +213,19 @@ def run_files(texts: Mapping[str, str], run_dir: str) -> list[dict[str, Any]]:
     ]
 
 
+def run_disk_budget(
+    plan: Mapping[str, Any],
+    free: Mapping[str, Any],
+    runs_dir: str = "the runs directory",
+    log_max_mib: object = 0,
+    logs_kept: object = 0,
+) -> dict[str, Any]:
+    """The planner's disk_budget, with a job's node log rotated past log_max_mib, logs_kept
+    rotated files kept, counted beside the checkpoints (0: no log counted)."""
+    logs = log_bytes(log_max_mib, logs_kept) if log_max_mib else 0
+    return disk_budget(plan, free, runs_dir, logs)
+
+
 def unprobed(ranks: Iterable[str], hostvars: Any) -> list[str]:  # noqa: ANN401 - hostvars
     """The GPU nodes whose facts do not list their GPUs yet."""
     return hosts_without_gpu_facts(list(ranks), hostvars)
@@ -226,5 +242,5 @@ class FilterModule:
             "run_config_train_yaml": train_yaml,
             "run_config_dataset_info": dataset_info,
             "run_config_files": run_files,
-            "run_config_disk_budget": disk_budget,
+            "run_config_disk_budget": run_disk_budget,
         }

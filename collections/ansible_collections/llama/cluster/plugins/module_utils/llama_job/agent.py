@@ -18,12 +18,14 @@ from typing import Any, BinaryIO
 from .checkpoints import NAME, checkpoint_problem, resume_argument, set_aside, set_aside_dir
 from .command import Command, Ended
 from .launchers import current_limits
-from .logs import read_env_file
+from .logs import read_env_file, rotate_log
 from .oom import describe_cause
 from .procs import become_subreaper
 from .protocol import VERSION, Failure, FailureKind, Phase, Restart, describe_exit, iso
 from .spec import JobSpec, Refused
 from .untrusted import read_untrusted, write_json
+
+LOG_LOOK_S = 5.0  # seconds between two looks at the node log's size
 
 
 def _mapping(value: object) -> Mapping[str, Any]:
@@ -67,6 +69,7 @@ class NodeAgent:
         self.limits = current_limits()
         self.last_state_write = 0.0
         self.resume_from: str | None = None  # the checkpoint this attempt resumes from
+        self.log_looked = 0.0  # when the log's size was last looked at
 
     # -- plumbing -------------------------------------------------------------------------------
     def say(self, text: str) -> None:
@@ -123,6 +126,24 @@ class NodeAgent:
         }
         with contextlib.suppress(OSError):
             write_json(Path(self.spec.state), state)
+
+    def rotate_log(self, now: float) -> None:
+        """Rotate the node's log once it is past its limit (looked at every few seconds)."""
+        if now - self.log_looked < LOG_LOOK_S:
+            return
+        self.log_looked = now
+        try:
+            size = os.fstat(self.log.fileno()).st_size
+            if size <= self.spec.log_max_bytes:
+                return
+            if rotate_log(self.spec.log, self.log.fileno(), self.spec.log_keep):
+                self.command.log_rotated()
+                self.say(
+                    f"rotated this log at {size >> 20} MiB into {self.spec.log}.1 "
+                    f"({self.spec.log_keep} kept)"
+                )
+        except OSError as err:
+            self.say(f"cannot rotate this log: {err}")
 
     def set_phase(self, phase: Phase) -> None:
         """Move to a phase and record it."""
@@ -260,6 +281,7 @@ class NodeAgent:
                     self.on_command(ended)
                 self.tick(time.monotonic())
                 self.write_state(force=False)
+                self.rotate_log(time.monotonic())
             self.finish()
             return 0 if self.phase is Phase.SUCCEEDED else 1
         finally:

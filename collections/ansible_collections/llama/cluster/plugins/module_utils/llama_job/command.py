@@ -108,6 +108,10 @@ class Command:
         self.group = self.child.pid
         return None
 
+    def log_rotated(self) -> None:
+        """The log was rotated (emptied): this attempt's output starts again at its beginning."""
+        self.offset, self.scan_offset, self.scan_rest = 0, 0, ""
+
     def running(self) -> bool:
         """Whether the command still runs."""
         return self.child is not None and self.child.poll() is None

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shlex
+import stat
 from typing import Any
 
 # Lines worth showing from a failed node's log, and those that only echo another node's failure.
@@ -106,3 +107,58 @@ def read_env_file(text: str) -> dict[str, str]:
 def expand(arg: str, env: dict[str, str]) -> str:
     """Replace ${NAME} with the job's environment, as systemd does in ExecStart."""
     return re.sub(r"\$\{(\w+)\}", lambda match: env.get(match.group(1), ""), arg)
+
+
+# A node's log is rotated once it passes max_bytes (llama-job's own lines and the command's
+# output alike, written to one file): its content moves to <log>.1, the older ones shift up to
+# <log>.<keep>, the oldest goes. So it holds at most (keep + 1) x max_bytes on the node's disk
+# (plus what is written between two looks), which the plan's disk check counts.
+DEFAULT_ROTATE = {"max_bytes": 64 << 20, "keep": 3}
+
+
+def rotated_name(path: str, index: int) -> str:
+    """The name of a rotated log (index 1 is the newest)."""
+    return f"{path}.{index}"
+
+
+def rotate_log(path: str, log_fd: int, keep: int) -> bool:
+    """Rotate the log that `log_fd` appends to (copy, then truncate: the command and the agent
+    keep the one descriptor they write through). Nothing is followed through a link; a line
+    written between the copy and the truncation is lost (logrotate's copytruncate does the
+    same). Whether it rotated."""
+    folder, name = os.path.split(path)
+    directory = os.open(folder or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        reader = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=directory)
+        try:
+            if not stat.S_ISREG(os.fstat(reader).st_mode):
+                return False
+            newest = _shift(directory, name, max(1, keep))
+            try:
+                while chunk := os.read(reader, 1 << 20):
+                    os.write(newest, chunk)
+            finally:
+                os.close(newest)
+        finally:
+            os.close(reader)
+        os.ftruncate(log_fd, 0)
+        return True
+    finally:
+        os.close(directory)
+
+
+def _shift(directory: int, name: str, keep: int) -> int:
+    """Shift <log>.1 .. <log>.<keep> up one (the last one gone); a new <log>.1, created without
+    following a link, open for writing."""
+    for index in range(keep, 0, -1):
+        older = rotated_name(name, index)
+        try:
+            if index == keep:
+                os.unlink(older, dir_fd=directory)
+            else:
+                newer = rotated_name(name, index + 1)
+                os.replace(older, newer, src_dir_fd=directory, dst_dir_fd=directory)
+        except FileNotFoundError:
+            continue
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    return os.open(rotated_name(name, 1), flags, 0o640, dir_fd=directory)

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from .logs import DEFAULT_ROTATE
 from .untrusted import read_untrusted
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -113,6 +114,9 @@ class JobSpec:
     resume_argument: str = ""
     sharded: bool = False
     resume: bool = False
+    # The node's log is rotated past log_max_bytes, log_keep rotated files kept (logs.rotate_log).
+    log_max_bytes: int = DEFAULT_ROTATE["max_bytes"]
+    log_keep: int = DEFAULT_ROTATE["keep"]
 
     @property
     def is_master(self) -> bool:
@@ -172,6 +176,17 @@ def _patterns(path: str, raw: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(patterns)
 
 
+def _log_rotate(path: str, raw: Mapping[str, Any]) -> tuple[int, int]:
+    """The log's rotation: (max_bytes, keep), each an integer (at least 1 KiB, at least 1)."""
+    given = raw.get("log_rotate") or {}
+    merged = {**DEFAULT_ROTATE, **(given if isinstance(given, Mapping) else {})}
+    size, keep = merged["max_bytes"], merged["keep"]
+    for key, value, least in (("max_bytes", size, 1024), ("keep", keep, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise Refused(f"{path}: log_rotate.{key} must be an integer of at least {least}")
+    return size, keep
+
+
 def _master(raw: Mapping[str, Any]) -> Master:
     given = raw.get("master") if isinstance(raw.get("master"), Mapping) else {}
     return Master(host=str(given.get("host", raw["host"])), address=str(given.get("address", "")))
@@ -192,6 +207,7 @@ def parse_spec(path: str, raw: Mapping[str, Any]) -> JobSpec:
     _paths(path, raw)
     if raw.get("role") not in ("master", "worker"):
         raise Refused(f"{path}: role must be master or worker")
+    log_max_bytes, log_keep = _log_rotate(path, raw)
     return JobSpec(
         job=raw["job"],
         host=raw["host"],
@@ -221,6 +237,8 @@ def parse_spec(path: str, raw: Mapping[str, Any]) -> JobSpec:
         resume_argument=str(raw.get("resume_argument") or ""),
         sharded=bool(raw.get("sharded", False)),
         resume=bool(raw.get("resume", False)),
+        log_max_bytes=log_max_bytes,
+        log_keep=log_keep,
     )
 
 

@@ -1,5 +1,6 @@
 """Disk is a budget too: what a run's checkpoints take in the run directory of every node
-(`disk_estimate`, kept in the plan) and whether that fits each node's free space (`disk_budget`).
+(`disk_estimate`, kept in the plan) and whether that fits each node's free space with the node's
+logs beside it (`disk_budget`; a job's node log is rotated, so it takes at most `log_bytes`).
 
 How many checkpoints are on disk at once. transformers' Trainer (5.6, `_save_checkpoint` and
 `trainer_utils.rotate_checkpoints`) rotates only after a new checkpoint is complete (its
@@ -213,21 +214,23 @@ def disk_summary(disk: Mapping[str, Any]) -> list[str]:
     else:
         lines.append(
             f"Disk per node: up to {_needed(disk)}; a checkpoint estimated as {disk['formula']}; "
-            "checked against every node's free space before anything is written"
+            "checked, with the node's logs (rotated: cluster.yml's node_log_max_mib), against "
+            "every node's free space before anything is written"
         )
     return lines
 
 
-def _needed(disk: Mapping[str, Any]) -> str:
+def _needed(disk: Mapping[str, Any], logs: int = 0) -> str:
     """369.0 GiB (4 checkpoints x 85.2 GiB: save_total_limit 3 + the one being written; and the
-    final model 28.4 GiB)."""
+    final model 28.4 GiB; and the node's logs, at most 0.2 GiB)."""
     count = disk["count"]
     parts = f"{count} checkpoint{'s' if count != 1 else ''} x {_gib(disk['checkpoint_bytes'])}"
     if disk["save_total_limit"] and count == disk["save_total_limit"] + 1:
         parts += f": save_total_limit {disk['save_total_limit']} + the one being written"
-    return (
-        f"{_gib(disk['needed_bytes'])} ({parts}; and the final model {_gib(disk['final_bytes'])})"
-    )
+    parts += f"; and the final model {_gib(disk['final_bytes'])}"
+    if logs:
+        parts += f"; and the node's logs, rotated, at most {_gib(logs)}"
+    return f"{_gib(disk['needed_bytes'] + logs)} ({parts})"
 
 
 def _largest_limit(disk: Mapping[str, Any], free: float) -> int:
@@ -235,17 +238,30 @@ def _largest_limit(disk: Mapping[str, Any], free: float) -> int:
     return max(0, int((free - disk["final_bytes"]) // disk["checkpoint_bytes"]) - 1)
 
 
+def log_bytes(max_mib: object, kept: object) -> int:
+    """The most a job's node log takes on a node's disk, rotated past `max_mib` with `kept`
+    rotated files (llama-job's logs.rotate_log): the live log and the kept ones."""
+    return int(float(str(max_mib))) * (1 << 20) * (int(str(kept)) + 1)
+
+
 def disk_budget(
-    plan: Mapping[str, Any], free: Mapping[str, Any], runs_dir: str = "the runs directory"
+    plan: Mapping[str, Any],
+    free: Mapping[str, Any],
+    runs_dir: str = "the runs directory",
+    logs: int = 0,
 ) -> dict[str, Any]:
-    """Whether the run's checkpoints fit every node's free space, and the message that says so.
+    """Whether the run's checkpoints and the node's logs fit every node's free space, and the
+    message that says so.
 
     free maps a node to its free bytes where the run directory will be (a number, or a mapping
     with `free` and `path`, the nearest existing directory measured), or None where unknown: such
-    a node is named and not refused. Returns ok, message and short (the nodes that lack space).
+    a node is named and not refused. logs: the bytes a node's logs take at most (log_bytes).
+    Returns ok, message and short (the nodes that lack space).
     """
     disk = plan.get("disk") or {}
     needed = disk.get("needed_bytes")
+    if needed is not None:
+        needed += logs
     if plan.get("resume"):
         return {"ok": True, "short": [], "message": "A resumed run: its disk was checked at start."}
     refusals, notes, short = [], [], []
@@ -267,7 +283,7 @@ def disk_budget(
                 "so it was not checked"
             )
         elif measured < needed:
-            refusals.append(_refusal(host, path, float(measured), disk))
+            refusals.append(_refusal(host, path, float(measured), disk, logs))
             short.append(host)
         else:
             notes.append(f"{host}: {_gib(needed)} needed, {_gib(measured)} free on {path}")
@@ -275,9 +291,9 @@ def disk_budget(
     return {"ok": not refusals, "short": short, "message": message}
 
 
-def _refusal(host: str, path: str, free: float, disk: Mapping[str, Any]) -> str:
+def _refusal(host: str, path: str, free: float, disk: Mapping[str, Any], logs: int) -> str:
     """Why a node's disk cannot hold the run, with the ways out."""
-    fits = _largest_limit(disk, free)
+    fits = _largest_limit(disk, free - logs)
     fewer = (
         f'keep fewer checkpoints (-e \'{{"train_args": {{"save_total_limit": {fits}}}}}\' fits)'
         if fits >= 1 and fits < (disk["save_total_limit"] or math.inf)
@@ -286,8 +302,8 @@ def _refusal(host: str, path: str, free: float, disk: Mapping[str, Any]) -> str:
     )
     return (
         f"{host}: the run's checkpoints would not fit the free space of {path}: "
-        f"{_gib(free)} free, {_needed(disk)} needed. Ways out: {fewer}; free space there, or put "
-        f"cluster_runs_dir on a larger disk; or fine-tune with LoRA (-e finetuning_type=lora), "
+        f"{_gib(free)} free, {_needed(disk, logs)} needed. Ways out: {fewer}; free space there, or "
+        f"put cluster_runs_dir on a larger disk; or fine-tune with LoRA (-e finetuning_type=lora), "
         f"whose checkpoints hold only the adapter. One checkpoint, estimated: {disk['formula']}. "
         "Nothing was written to the nodes."
     )
