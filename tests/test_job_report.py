@@ -16,6 +16,7 @@ from ansible_collections.llama.cluster.plugins.filter import job as job_filters
 from ansible_collections.llama.cluster.plugins.filter.job import (
     job_failure_message,
     job_found_files,
+    job_gone,
     job_resume,
     job_run_summary,
     job_status_lines,
@@ -116,6 +117,112 @@ def test_a_node_missing_from_the_play_counts_as_unreachable():
     outcome = job_status(["node1", "node2"], hostvars, "node1", "__job_status", "r")
     assert outcome["phase"] == "running"
     assert outcome["unreachable"] == ["node2"]
+
+
+# A node that stopped answering is asked once (issue 40: after a worker lost power, every rank
+# stopped in 29 s, but the watching play took 2 min 40 s more: status, stop, the log's fetch and
+# the checkpoints' listing each waited about 30 s on the dead node). The master's verdict names
+# the nodes its agent gave up (job_gone); every later node task skips them.
+VANISHED = {
+    **REASON,
+    "kind": "vanished",
+    "exit_status": None,
+    "message": "stopped answering (no heartbeat for 30 s)",
+    "errors": [],
+}
+
+
+def test_the_masters_verdict_names_the_nodes_it_gave_up():
+    lost = _rank("node1", "master", "failed", reason=VANISHED)
+    assert job_gone({"lead": lost, "done": True}, "node1") == ["node2"]
+    away = {**REASON, "kind": "exited", "away": ["node3", "node1"]}  # no comeback for a restart
+    assert job_gone({"lead": _rank("node1", "master", "failed", reason=away)}, "node1") == ["node3"]
+    exited = _rank("node1", "master", "failed", reason=REASON)  # a rank died: every node answers
+    assert job_gone({"lead": exited}, "node1") == []
+    assert job_gone({"lead": _rank("node1", "master", "succeeded")}, "node1") == []
+    # The master itself could not be asked: it is the node the play gives up.
+    assert job_gone({"unreachable": True, "msg": "Failed to connect"}, "node1") == ["node1"]
+
+
+def test_a_node_not_asked_counts_as_unreachable_and_as_holding_nothing_known():
+    hostvars = _hostvars(
+        node1={"ranks": [_rank("node1", "master", "failed", reason=VANISHED)]},
+        node2={"skipped": True, "changed": False},  # job_gone: not asked
+    )
+    outcome = job_status(["node1", "node2"], hostvars, "node1", "__job_status", "r")
+    assert outcome["unreachable"] == ["node2"]
+    message = job_failure_message(outcome, {"node1": 0, "node2": 1})
+    assert message.startswith("Job r failed on node2 (rank 1): stopped answering")
+    assert message.count("did not answer") == 1, message  # the node the verdict is about, once
+    found = {"node1": {"cp": {"files": []}}, "node2": {"cp": {"skipped": True}}}
+    assert job_found_files(["node1", "node2"], found, "cp") == {"node1": [], "node2": None}
+
+
+DEAD_NODE_INVENTORY = """
+cluster:
+  children:
+    master:
+      hosts:
+        n1: {ansible_connection: local, ansible_python_interpreter: %(python)s}
+    workers:
+      hosts:
+        dead: {ansible_host: 192.0.2.1, ansible_user: nobody}
+"""
+
+# What follows the verdict in train.yml's Run play (roles/job's status and stop, a failed run's
+# fetch and checkpoint listing), with the worker given up by the master's agent.
+DEAD_NODE_PLAYBOOK = """
+- name: Gone | After the verdict
+  hosts: cluster
+  gather_facts: false
+  vars:
+    job_id: r
+    job_bin: %(tool)s
+    job_gone: [dead]
+    run_dir: %(tmp)s/run
+    controller_dir: %(tmp)s/back
+    run_sharded: false
+  tasks:
+    - name: Gone | Ask every node how the job stands
+      ansible.builtin.include_role:
+        name: job
+        tasks_from: status
+    - name: Gone | Stop the job on every node
+      ansible.builtin.include_role:
+        name: job
+        tasks_from: stop
+    - name: Gone | Bring back what the nodes have
+      ansible.builtin.include_tasks: %(root)s/playbooks/tasks/fetch_run.yml
+    - name: Gone | Look for checkpoints
+      ansible.builtin.include_tasks: %(root)s/playbooks/tasks/ended_run.yml
+      vars:
+        job_status: {resumable: true, phase: failed, job: r}
+"""
+
+
+def test_the_tasks_after_the_verdict_never_ask_a_node_the_master_gave_up(tmp_path: Path):
+    (tmp_path / "hosts.yml").write_text(DEAD_NODE_INVENTORY % {"python": sys.executable})
+    playbook = tmp_path / "gone.yml"
+    playbook.write_text(DEAD_NODE_PLAYBOOK % {"tool": TOOL, "tmp": tmp_path, "root": ROOT})
+    done = subprocess.run(
+        [str(Path(sys.executable).with_name("ansible-playbook")), "-i", str(tmp_path / "hosts.yml"),
+         str(playbook)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "ANSIBLE_NOCOLOR": "1", "ANSIBLE_TIMEOUT": "5"},
+    )  # fmt: skip
+    out = done.stdout
+    assert "PLAY RECAP" in out, out[-3000:] + done.stderr[-2000:]
+    assert "UNREACHABLE" not in out, out[-4000:]
+    assert "-> dead]" not in out, "a task was delegated to the dead node"
+    # Each task that reaches a node skipped the dead one (the role's argument checks and the
+    # includes run on the controller).
+    for task in re.split(r"^TASK ", out, flags=re.M)[1:]:
+        name, results = task.split("\n", 1)
+        if "Validating arguments" in name or "Gone |" in name:
+            continue
+        said = [line for line in results.splitlines() if "[dead]" in line]
+        assert all(line.startswith("skipping: [dead]") for line in said), (name, said)
+    assert re.search(r"^dead +: .*unreachable=0 +failed=0", out, re.M), out[-2000:]
 
 
 def test_status_lines_say_step_loss_eta_and_restarts():

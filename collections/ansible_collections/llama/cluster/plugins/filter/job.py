@@ -16,6 +16,7 @@ from ansible_collections.llama.cluster.plugins.module_utils.llama_job.protocol i
     FailureKind,
     JobStatus,
     Phase,
+    RankStatus,
     Resume,
     RunSummary,
     describe_exit,
@@ -34,13 +35,24 @@ def job_status_of(
     hosts: list[str], hostvars: Mapping[str, Any], master: str, register: str, job: str = ""
 ) -> dict[str, Any]:
     """One job's status across the cluster (protocol.job_status) from each node's registered
-    `llama_job status`: a node without the result (it left the play, or did not answer) counts
-    as unreachable."""
+    `llama_job status`: a node without the result (it left the play, did not answer, or was not
+    asked: job_gone) counts as unreachable."""
     results = {}
     for host in hosts:
         found = hostvars[host].get(register) if host in hostvars else None
-        results[host] = found if isinstance(found, Mapping) else {"unreachable": True}
+        asked = isinstance(found, Mapping) and not found.get("skipped")
+        results[host] = found if asked else {"unreachable": True}
     return job_status(results, master, job).to_dict()
+
+
+def job_gone(watched: object, master: str) -> list[str]:
+    """The nodes that stopped answering, from the master's `llama_job wait` (its registered
+    result): those its agent gave up (RankStatus.given_up), or the master itself when it could
+    not be asked. Every later task of the play skips them, so that each is asked once."""
+    if not isinstance(watched, Mapping) or watched.get("unreachable"):
+        return [master]
+    lead = watched.get("lead")
+    return list(RankStatus.from_dict(lead).given_up()) if isinstance(lead, Mapping) else []
 
 
 def _failure_head(status: JobStatus, where: str) -> str:
@@ -99,7 +111,9 @@ def job_found_files(
     found: dict[str, list[dict[str, Any]] | None] = {}
     for host in hosts:
         result = hostvars[host].get(register) if host in hostvars else None
-        if not isinstance(result, Mapping) or result.get("unreachable") or result.get("failed"):
+        if not isinstance(result, Mapping) or any(
+            result.get(k) for k in ("unreachable", "failed", "skipped")
+        ):
             found[host] = None
         else:
             found[host] = [dict(f) for f in result.get("files") or [] if isinstance(f, Mapping)]
@@ -287,6 +301,7 @@ class FilterModule:
         """The filters this plugin provides."""
         return {
             "job_status": job_status_of,
+            "job_gone": job_gone,
             "job_failure_message": job_failure_message,
             "job_found_files": job_found_files,
             "job_resume": job_resume,

@@ -407,6 +407,15 @@ class RankStatus:
             updated=_text(data.get("updated")),
         )
 
+    def given_up(self) -> tuple[str, ...]:
+        """The nodes this rank's agent gave up (a master's verdict): the one that vanished, and
+        those that did not come back for a restart. The plays ask them no more."""
+        reason = self.reason
+        if reason is None:
+            return ()
+        lost = [reason.node] if reason.kind is FailureKind.VANISHED and reason.node else []
+        return tuple(h for h in dict.fromkeys([*lost, *reason.away]) if h != self.host)
+
     def progress_line(self) -> str:
         """One human-readable progress line."""
         record = self.progress
