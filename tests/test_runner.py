@@ -899,41 +899,67 @@ def test_lab_cli_train_shows_progress_and_exits_0_then_2(provisioned: Cluster):
     assert "no-such-model" in bad.stdout
 
 
-@pytest.mark.lab
-@needs_train
-def test_lab_cli_ctrl_c_stops_every_rank(provisioned: Cluster, lab_hosts: list[str]):
+def _interrupted_at_the_first_step(argv: list[str], progress: str) -> tuple[int, str]:
+    """Train the tiny model for long with `argv`, press Ctrl-C at the first progress line (one
+    every 2 s; `progress` finds it); the exit status and the whole output."""
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "train_runner.py",
-            "train",
-            "--model",
-            "tiny",
-            "-e",
-            "train_args={num_train_epochs: 2000, save_steps: 100000}",
-            "-e",
-            "job_report_every=2",
-        ],
-        cwd=PROJECT_DIR,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+        [*argv, "-e", "train_args={num_train_epochs: 2000, save_steps: 100000}",
+         "-e", "job_report_every=2"],
+        cwd=PROJECT_DIR, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "ANSIBLE_NOCOLOR": "1"},
+    )  # fmt: skip
     assert proc.stdout is not None
     lines = []
-    for line in proc.stdout:  # interrupt at the first progress line (one every 2 s)
+    for line in proc.stdout:
         lines.append(line)
-        if " step " in line:
+        if re.search(progress, line):
             break
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=600)
-    out = "".join(lines) + out
-    assert proc.returncode == EXIT_INTERRUPTED, out[-3000:]
+    return proc.returncode, "".join(lines) + out
+
+
+@pytest.mark.lab
+@needs_train
+def test_lab_cli_ctrl_c_stops_every_rank(provisioned: Cluster, lab_hosts: list[str]):
+    code, out = _interrupted_at_the_first_step(
+        [sys.executable, "train_runner.py", "train", "--model", "tiny"], " step "
+    )
+    assert code == EXIT_INTERRUPTED, out[-3000:]
     assert "stopped on every node" in out, out[-3000:]
     run_id = re.search(r"run (train-\S+) was interrupted", out)
     assert run_id, out[-3000:]
     for host in lab_hosts:
         assert run_units(host, run_id.group(1)) == "", host
+
+
+@pytest.mark.lab
+@needs_train
+def test_lab_ctrl_c_on_ansible_playbook_leaves_the_run_going_and_says_how_to_stop_it(
+    provisioned: Cluster, lab_hosts: list[str]
+):
+    # train_runner.py stops every rank on Ctrl-C (above); a plain ansible-playbook train.yml
+    # cannot do so reliably (its workers are interrupted with it): the run goes on, and the
+    # play's last line says so, with the commands that follow and stop it (docs/faults.md).
+    playbook = str(Path(sys.executable).with_name("ansible-playbook"))
+    code, out = _interrupted_at_the_first_step(
+        [playbook, "train.yml", "-e", "model=tiny"], r"^\[\S+\] step \d+/"
+    )
+    assert code == 99, out[-3000:]  # ansible-playbook's "User interrupted execution"
+    note = re.search(r"^Run (train-\S+) goes on on every node: Ctrl-C stopped this play", out, re.M)
+    assert note, out[-3000:]
+    run_id = note.group(1)
+    assert out.rstrip().endswith(
+        f"stop it: ansible-playbook playbooks/stop.yml -e run_id={run_id}."
+    ), out[-3000:]
+    try:
+        for host in lab_hosts:
+            assert run_units(host, run_id) != "", f"{host}: the run did not go on"
+    finally:
+        stopped = cli("stop", "--run-id", run_id, timeout=600)
+    assert stopped.returncode == EXIT_OK, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    for host in lab_hosts:
+        assert run_units(host, run_id) == "", host
 
 
 @pytest.mark.lab

@@ -1,8 +1,11 @@
-"""Ansible's default output, plus one readable progress line per poll of a running job, and
-each play's wall time after the recap."""
+"""Ansible's default output, plus one readable progress line per poll of a running job, each
+play's wall time after the recap, and, when Ctrl-C interrupts a play that leaves a job running
+on the nodes, one line that says so and how to follow or stop it."""
 
 from __future__ import annotations
 
+import atexit
+import signal
 import time
 
 from ansible.plugins.callback.default import CallbackModule as DefaultCallback
@@ -16,6 +19,11 @@ DOCUMENTATION = """
         (one that registers C(progress) in its result and retries with C(until))
         prints that progress line instead of "FAILED - RETRYING".
       - After the play recap, a PLAY TIMES block gives each play's wall time.
+      - A play that starts a job which outlives it (llama-job on the nodes) sets the fact
+        C(job_interrupt_note) to one line (roles/job does, with C(job_attachable), saying that
+        the run goes on and how to follow or stop it), and to an empty string once it no longer
+        holds. When Ctrl-C
+        (SIGINT) ends ansible-playbook while a note is set, that line is printed last.
     extends_documentation_fragment:
       - default_callback
       - result_format_callback
@@ -33,6 +41,31 @@ class CallbackModule(DefaultCallback):
         super().__init__()
         self._plays: list[tuple[str, float]] = []
         self._play_clock: tuple[str, float] | None = None
+        # Ctrl-C: ansible-playbook's own handler (the task queue manager's, installed before the
+        # callbacks load) raises KeyboardInterrupt and exits 99; this one notes it first.
+        self._note = ""
+        self._interrupted = False
+        self._previous = signal.getsignal(signal.SIGINT)
+        signal.signal(signal.SIGINT, self._on_interrupt)
+        atexit.register(self._say_note)
+
+    def _on_interrupt(self, signum: int, frame) -> None:  # noqa: ANN001 - a frame
+        self._interrupted = True
+        if callable(self._previous):
+            self._previous(signum, frame)
+        else:
+            raise KeyboardInterrupt
+
+    def _say_note(self) -> None:
+        """After an interrupt: what still runs on the nodes, and how to follow or stop it."""
+        if self._interrupted and self._note:
+            self._display.display(self._note, color="bright yellow", stderr=True)
+
+    def v2_runner_on_ok(self, result) -> None:  # noqa: ANN001 - Ansible's TaskResult
+        facts = result._result.get("ansible_facts") or {}
+        if "job_interrupt_note" in facts:
+            self._note = str(facts["job_interrupt_note"] or "")
+        super().v2_runner_on_ok(result)
 
     def _end_play(self) -> None:
         """Record the running play's wall time."""
