@@ -18,6 +18,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+MAX_LINKS = 40  # as the kernel's own limit on links in one path
+
 
 def octal_mode(mode: object) -> int | None:
     """An octal mode's value ('0750'), None for anything else."""
@@ -25,10 +28,6 @@ def octal_mode(mode: object) -> int | None:
     if not text or any(c not in "01234567" for c in text) or len(text) > 4:
         return None
     return int(text, 8)
-
-
-DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-MAX_LINKS = 40  # as the kernel's own limit on links in one path
 
 
 class Refused(Exception):
