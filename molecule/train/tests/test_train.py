@@ -376,6 +376,38 @@ def test_second_run_keeps_the_first_runs_output() -> None:
     assert "adapter_model.safetensors" in _node(MASTER, f"ls {RUNS}/{first}/output")
 
 
+def test_links_the_training_account_plants_in_its_run_lead_root_nowhere() -> None:
+    """Issue 40: the runs directory was the training account's, and root's fetch of a run's
+    results followed links (/etc/shadow would have landed in runs/). The runs directory is root's
+    now, and what comes back from a run is read as the training account."""
+    first = _state.get("first")
+    if not first:
+        pytest.skip("the first run did not complete")
+    as_llama = "runuser -u llama --"
+    assert _node(MASTER, f"stat -c '%U %a' {RUNS}").split() == ["root", "755"]
+    planted = _node(MASTER, f"{as_llama} ln -s /etc {RUNS}/train-29991231-235959-tiny; echo $?")
+    assert planted.strip().splitlines()[-1] != "0", "the training account wrote the runs directory"
+    run = f"{RUNS}/{first}"
+    log = f"{run}/logs/{MASTER}.log"
+    results = f"{run}/output/all_results.json"
+    _node(MASTER, f"{as_llama} sh -c 'mv {log} {log}.kept && mv {results} {results}.kept && "
+          f"ln -s /etc/shadow {log} && ln -s /etc/shadow {results}'")  # fmt: skip
+    local = ROOT / "runs" / first
+    for path in (local / "logs" / f"{MASTER}.log", local / "all_results.json"):
+        path.unlink(missing_ok=True)
+    try:
+        done = _playbook("playbooks/logs.yml", "-e", f"run_id={first}")
+    finally:
+        restore = f"mv -f {log}.kept {log} && mv -f {results}.kept {results}"
+        _node(MASTER, f"{as_llama} sh -c '{restore}'")
+    assert done.returncode == 0, done.stdout[-4000:]
+    shadow = _node(MASTER, "head -n 1 /etc/shadow").strip()
+    assert shadow
+    for path in (local / "logs" / f"{MASTER}.log", local / "all_results.json"):
+        assert not path.exists() or shadow not in path.read_text(errors="replace"), path
+    assert (local / "logs" / f"{WORKER}.log").is_file(), "the rest did not come back"
+
+
 # ---------------------------------------------------------------------------------------------
 # Faults the cluster stops by itself
 # ---------------------------------------------------------------------------------------------
