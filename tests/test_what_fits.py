@@ -1,4 +1,4 @@
-"""docs/performance.md's "What fits on your card" is what the planner plans (scripts/what-fits.py)."""
+"""docs/performance.md's "What fits on your card" is what the planner plans (its script)."""
 
 from __future__ import annotations
 

@@ -229,6 +229,18 @@ def _refuse_unfitting(search: Search, memory: Memory, stage: str, numerics: str)
     )
 
 
+def _cpu_memory_refusal(memory: Memory, node: Mapping[str, Any] | None) -> str:
+    """Why a CPU run does not fit the node with the least memory, and the ways out."""
+    where = f"{node['host']} ({node['host_memory_source']})" if node else "the smallest node"
+    return (
+        f"The run does not fit the nodes' memory: its {memory.nproc} training processes per node "
+        f"need about {gib_text(memory.host_need('none'))} (fp32 weights, gradients and AdamW "
+        f"states, and each process's own), and {where} has {gib_text(memory.host_budget)} to "
+        "give. Free memory there, train fewer processes per node (nproc_per_node), LoRA "
+        "(-e finetuning_type=lora), or a smaller model. Nothing was changed on any node."
+    )
+
+
 def available_packages(nodes: Sequence[Mapping[str, Any]]) -> frozenset[str]:
     """The optional packages (techniques.OPTIONAL) that every node's stack has."""
     if not nodes:
@@ -431,7 +443,7 @@ def assemble(
     check_project_settings(data, model)
     smallest = _smallest(nodes)
     gib = smallest["gpu_memory_gib"] if smallest else None
-    smallest_host = _smallest(nodes, "host_memory_gib") if accelerator != "cpu" else None
+    smallest_host = _smallest(nodes, "host_memory_gib")
     host_gib = smallest_host["host_memory_gib"] if smallest_host else None
     memory = Memory(
         params=float(model["params_b"]) * 1e9,
@@ -444,6 +456,7 @@ def assemble(
             host_gib * GIB * float(data.memory["host_usable_fraction"]) if host_gib else None
         ),
         nproc=nproc,
+        on_cpu=accelerator == "cpu",
     )
     train_args = request["train_args"]
     facts = {
@@ -471,6 +484,8 @@ def assemble(
     )
     explicit = {**profile, **(model.get("train_args") or {}), **train_args}
     explicit.pop("cutoff_len", None)  # model.cutoff_len holds it
+    if memory.on_cpu and not memory.host_fits(stage):
+        raise PlanError(_cpu_memory_refusal(memory, smallest_host))
     technique = _technique(search, stage)
     memory = replace(memory, technique=technique)
     cost = None
@@ -543,9 +558,7 @@ def assemble(
         "memory_estimate_gib": round(batch.need / GIB, 1) if batch.need else None,
         "host_memory_gib": host_gib,
         "host_budget_gib": round(memory.host_budget / GIB, 1) if memory.host_budget else None,
-        "host_estimate_gib": (
-            round(memory.host_need(stage) / GIB, 1) if accelerator != "cpu" else None
-        ),
+        "host_estimate_gib": round(memory.host_need(stage) / GIB, 1),
         "nodes": {
             n["host"]: {
                 key: n.get(key)
@@ -640,7 +653,7 @@ def summary(
             f"{plan['memory_budget_gib']} GiB, estimated need "
             f"{plan['memory_estimate_gib'] if plan['memory_estimate_gib'] else 'unknown'} GiB"
         )
-    if smallest is not None:
+    if smallest is not None or smallest_host is not None:
         lines.append(
             f"Host memory planned for: {plan['host_memory_gib']} GiB per node (smallest node: "
             f"{smallest_host['host']}, {smallest_host['host_memory_source']}); budget "
