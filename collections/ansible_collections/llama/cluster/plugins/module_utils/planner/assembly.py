@@ -29,7 +29,7 @@ from .nodes import check_nodes
 from .rules import apply_rules, check_rules
 from .schema import Settings, check_project_settings, check_request
 from .search import SEARCH_STAGES, Option, Search, Tries, assess, ranked
-from .techniques import NUMERICS_EVIDENCE, PLAIN, Technique, candidates, fallback
+from .techniques import NUMERICS_EVIDENCE, PLAIN, Technique, candidates
 
 # Stages that keep the weights in host memory: a LoRA run that fits only with one of them may be
 # planned as QLoRA instead (its 4-bit weights fit the GPU).
@@ -85,33 +85,19 @@ def _tries(
     stages: Sequence[str],
     memory: Memory,
     explicit: Mapping[str, Any],
-    *,
-    numerics: str,
-    quantization: int,
-    available: frozenset[str],
-    planner_fallback: bool = False,
+    **how: Any,  # noqa: ANN401 - techniques.candidates' options
 ) -> Tries:
     """The techniques each stage tries (planner/techniques.py), less those a setting of the
     user's excludes: an optimizer or Liger set in train_args is kept as set."""
-    pick = fallback if planner_fallback else candidates
-    tries = {}
-    for stage in stages:
-        found = tuple(
-            t
-            for t in pick(
-                memory.finetuning,
-                stage,
-                numerics=numerics,
-                available=available,
-                **({} if planner_fallback else {"quantization": quantization}),
-            )
-            if ("optim" not in explicit or t.optim == explicit["optim"])
-            and (
-                "enable_liger_kernel" not in explicit or t.liger == explicit["enable_liger_kernel"]
-            )
-        )
-        tries[stage] = found
-    return tries
+    liger = explicit.get("enable_liger_kernel")
+
+    def kept(t: Technique) -> bool:
+        return explicit.get("optim", t.optim) == t.optim and liger in (None, t.liger)
+
+    return {
+        stage: tuple(t for t in candidates(memory.finetuning, stage, **how) if kept(t))
+        for stage in stages
+    }
 
 
 def _searched(
@@ -151,7 +137,7 @@ def _searched(
     if on_gpu or how["quantization"]:
         return Search(asks, shape, rank, options, skipped, tries)
     # The bf16 weights fit the GPU with no stage: QLoRA's 4-bit ones compete with the offload.
-    extra = _tries(stages, memory, explicit, **how, planner_fallback=True)
+    extra = _tries(stages, memory, explicit, **how, fallback=True)
     quantized, _ = ranked(memory, asks, shape, link, rank, tries=extra)
     if not quantized:
         return Search(asks, shape, rank, options, skipped, tries)

@@ -125,14 +125,20 @@ def candidates(
     numerics: str = "measured",
     quantization: int = 0,
     available: frozenset[str] | set[str] = frozenset(OPTIONAL),
+    fallback: bool = False,
 ) -> Iterator[Technique]:
     """The techniques the search tries with this fine-tuning type and stage.
 
-    `quantization`: the QLoRA bits the user asked for (0: none asked; then QLoRA is the
-    planner's fallback, see `fallback`); `available`: the optional packages every node has."""
+    `quantization`: the QLoRA bits the user asked for (then only QLoRA); `available`: the
+    optional packages every node has; `fallback`: QLoRA alone, for a LoRA run whose bf16 weights
+    fit the GPU with no stage (never under numerics exact)."""
     kind = "full" if finetuning == "full" else "lora"
     if quantization:
         yield from QUANTIZED.get((kind, stage), ())
+        return
+    if fallback:
+        if kind == "lora" and numerics != "exact" and "bitsandbytes" in available:
+            yield from QUANTIZED.get((kind, stage), ())
         return
     for technique in MEASURED.get((kind, stage), (PLAIN,)):
         if numerics == "exact" and technique.numerics_changes():
@@ -140,16 +146,3 @@ def candidates(
         if not set(technique.needs()) <= set(available):
             continue
         yield technique
-
-
-def fallback(
-    finetuning: str,
-    stage: str,
-    *,
-    numerics: str = "measured",
-    available: frozenset[str] | set[str] = frozenset(OPTIONAL),
-) -> Iterator[Technique]:
-    """QLoRA for a LoRA run whose bf16 weights fit no stage (never under numerics: exact)."""
-    if finetuning == "full" or numerics == "exact" or "bitsandbytes" not in available:
-        return
-    yield from QUANTIZED.get(("lora", stage), ())
