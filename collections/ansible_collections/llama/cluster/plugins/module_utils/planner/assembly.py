@@ -20,7 +20,7 @@ from .decisions import (
     choose_stage,
     estimate_steps,
 )
-from .disk import disk_estimate, disk_summary
+from .disk import disk_estimate
 from .errors import TRAINING_FILE, PlanError
 from .links import run_link
 from .memory import GIB, Memory, gib_text
@@ -29,7 +29,15 @@ from .nodes import check_nodes
 from .rules import apply_rules, check_rules
 from .schema import Settings, check_project_settings, check_request
 from .search import SEARCH_STAGES, Option, Search, Tries, assess, ranked
-from .techniques import NUMERICS_EVIDENCE, PLAIN, Technique, candidates
+from .summary import summary
+from .techniques import (
+    NUMERICS_EVIDENCE,
+    PLAIN,
+    Technique,
+    available_packages,
+    candidates,
+    check_quantization,
+)
 
 # Stages that keep the weights in host memory: a LoRA run that fits only with one of them may be
 # planned as QLoRA instead (its 4-bit weights fit the GPU).
@@ -225,52 +233,6 @@ def _cpu_memory_refusal(memory: Memory, node: Mapping[str, Any] | None) -> str:
         "give. Free memory there, train fewer processes per node (nproc_per_node), LoRA "
         "(-e finetuning_type=lora), or a smaller model. Nothing was changed on any node."
     )
-
-
-def available_packages(nodes: Sequence[Mapping[str, Any]]) -> frozenset[str]:
-    """The optional packages (techniques.OPTIONAL) that every node's stack has."""
-    if not nodes:
-        return frozenset()
-    have = [{k for k, v in (n.get("packages") or {}).items() if v} for n in nodes]
-    return frozenset(set.intersection(*have))
-
-
-def check_quantization(
-    request: Mapping[str, Any],
-    model: Mapping[str, Any],
-    nodes: Sequence[Mapping[str, Any]],
-    accelerator: str,
-    available: frozenset[str],
-) -> None:
-    """QLoRA (-e quantization_bit=4) as measured: LoRA, plain DDP, NVIDIA GPUs, bitsandbytes on
-    every node, numerics not exact; PlanError naming what to change otherwise."""
-    bits = request["quantization_bit"]
-    problems = []
-    if model["finetuning_type"] != "lora":
-        problems.append(
-            f"QLoRA trains LoRA adapters on {bits}-bit frozen weights; this run is "
-            f"finetuning_type={model['finetuning_type']}: add -e finetuning_type=lora"
-        )
-    if (request.get("deepspeed") or "auto") not in ("auto", "none"):
-        problems.append(
-            f"QLoRA was measured with plain DDP only, not deepspeed={request['deepspeed']}: "
-            "leave deepspeed to the planner (-e deepspeed=auto)"
-        )
-    if request["numerics"] == "exact":
-        problems.append(
-            "4-bit weights change the run's numerics, and numerics=exact forbids every such "
-            "change: drop quantization_bit, or set -e numerics=measured"
-        )
-    if accelerator == "cpu":
-        problems.append("QLoRA's 4-bit kernels need NVIDIA GPUs; this cluster trains on CPUs")
-    elif "bitsandbytes" not in available:
-        lacking = [n["host"] for n in nodes if not (n.get("packages") or {}).get("bitsandbytes")]
-        problems.append(
-            f"QLoRA needs bitsandbytes, which {', '.join(lacking)} lack: run provision.yml "
-            "(the node stack installs it)"
-        )
-    if problems:
-        raise PlanError("QLoRA cannot be planned:\n- " + "\n- ".join(problems))
 
 
 def _technique(search: Search | None, stage: str) -> Technique:
@@ -582,77 +544,3 @@ def assemble(
     }
     result["summary"] = summary(result, smallest, smallest_host, performance_lines)
     return result
-
-
-def _count(params_b: float) -> str:
-    """7.62B, 494M, 11,152: a parameter count as people write it."""
-    params = params_b * 1e9
-    if params >= 1e9:
-        return f"{params_b:g}B"
-    return f"{params / 1e6:.0f}M" if params >= 1e6 else f"{params:,.0f}"
-
-
-def summary(
-    plan: Mapping[str, Any],
-    smallest: Mapping[str, Any] | None,
-    smallest_host: Mapping[str, Any] | None = None,
-    performance: Sequence[str] = (),
-) -> list[str]:
-    """The lines train.yml shows before it touches a node."""
-    model = plan["model"]
-    args = plan["train_args"]
-    lines = [
-        f"Run {plan['run_id']}: {plan['model_name']} ({model['path']}), "
-        f"{model['finetuning_type']}, {_count(model['params_b'])} parameters "
-        f"({model['params_source']})"
-        + (
-            "; trust_remote_code: the model's own code from its repository runs on every node"
-            if model["trust_remote_code"]
-            else ""
-        ),
-        f"Nodes {plan['nnodes']} x {plan['nproc_per_node']} processes = world size "
-        f"{plan['world_size']} ({plan['accelerator']})",
-        f"Effective batch {plan['effective_batch']} = per-device "
-        f"{args.get('per_device_train_batch_size')} x accumulation "
-        f"{args.get('gradient_accumulation_steps')} x world size {plan['world_size']}"
-        f" ({plan['decisions']['batch']})",
-        f"Tokens per optimizer step: {plan['tokens_per_step']} per process x {plan['world_size']}"
-        f" = {plan['tokens_per_optimizer_step']} "
-        + (
-            f"(packed rows of {model['cutoff_len']} tokens)"
-            if plan["packing"]
-            else f"(at most: samples of up to {model['cutoff_len']} tokens, padded)"
-        ),
-        f"DeepSpeed: {plan['deepspeed']} ({plan['decisions']['deepspeed']})",
-        f"Memory-saving technique: {plan['decisions']['technique']}",
-        f"Gradient checkpointing: {'on' if plan['gradient_checkpointing'] else 'off'} "
-        f"({plan['decisions']['checkpointing']})",
-        f"Packing: {'on' if plan['packing'] else 'off'}; torch.compile: "
-        f"{'on' if plan['torch_compile'] else 'off'} ({plan['decisions']['torch_compile']})",
-    ]
-    if "fp8" in plan["decisions"]:
-        lines.append(plan["decisions"]["fp8"])
-    if smallest is not None:
-        lines.append(
-            f"GPU memory planned for: {plan['gpu_memory_gib']} GiB per GPU (smallest node: "
-            f"{smallest['host']}, {smallest['memory_source']}); budget "
-            f"{plan['memory_budget_gib']} GiB, estimated need "
-            f"{plan['memory_estimate_gib'] if plan['memory_estimate_gib'] else 'unknown'} GiB"
-        )
-    if smallest is not None or smallest_host is not None:
-        lines.append(
-            f"Host memory planned for: {plan['host_memory_gib']} GiB per node (smallest node: "
-            f"{smallest_host['host']}, {smallest_host['host_memory_source']}); budget "
-            f"{plan['host_budget_gib']} GiB, estimated need {plan['host_estimate_gib']} GiB"
-            if smallest_host is not None
-            else "Host memory: not known (facts from before host memory was recorded: run "
-            f"provision.yml, or set host_memory_gib); estimated need {plan['host_estimate_gib']} "
-            "GiB per node"
-        )
-    lines.extend(performance)
-    lines.extend(disk_summary(plan["disk"]))
-    lines.append(f"Restarts after a failure: at most {plan['max_restarts']}")
-    lines.append("Datasets: " + ", ".join(d.get("name", "") for d in plan["datasets"]))
-    if plan["rules_applied"]:
-        lines.append("Profile rules applied: " + "; ".join(plan["rules_applied"]))
-    return lines

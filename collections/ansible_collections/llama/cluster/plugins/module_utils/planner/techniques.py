@@ -21,8 +21,11 @@ Standard library only.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from .errors import PlanError
 
 # The values of -e numerics: `measured` (default) allows the numerics changes measured to hold;
 # `exact` forbids every one (8-bit optimizer states, a planner-chosen QLoRA, FP8).
@@ -146,3 +149,49 @@ def candidates(
         if not set(technique.needs()) <= set(available):
             continue
         yield technique
+
+
+def available_packages(nodes: Sequence[Mapping[str, Any]]) -> frozenset[str]:
+    """The optional packages (techniques.OPTIONAL) that every node's stack has."""
+    if not nodes:
+        return frozenset()
+    have = [{k for k, v in (n.get("packages") or {}).items() if v} for n in nodes]
+    return frozenset(set.intersection(*have))
+
+
+def check_quantization(
+    request: Mapping[str, Any],
+    model: Mapping[str, Any],
+    nodes: Sequence[Mapping[str, Any]],
+    accelerator: str,
+    available: frozenset[str],
+) -> None:
+    """QLoRA (-e quantization_bit=4) as measured: LoRA, plain DDP, NVIDIA GPUs, bitsandbytes on
+    every node, numerics not exact; PlanError naming what to change otherwise."""
+    bits = request["quantization_bit"]
+    problems = []
+    if model["finetuning_type"] != "lora":
+        problems.append(
+            f"QLoRA trains LoRA adapters on {bits}-bit frozen weights; this run is "
+            f"finetuning_type={model['finetuning_type']}: add -e finetuning_type=lora"
+        )
+    if (request.get("deepspeed") or "auto") not in ("auto", "none"):
+        problems.append(
+            f"QLoRA was measured with plain DDP only, not deepspeed={request['deepspeed']}: "
+            "leave deepspeed to the planner (-e deepspeed=auto)"
+        )
+    if request["numerics"] == "exact":
+        problems.append(
+            "4-bit weights change the run's numerics, and numerics=exact forbids every such "
+            "change: drop quantization_bit, or set -e numerics=measured"
+        )
+    if accelerator == "cpu":
+        problems.append("QLoRA's 4-bit kernels need NVIDIA GPUs; this cluster trains on CPUs")
+    elif "bitsandbytes" not in available:
+        lacking = [n["host"] for n in nodes if not (n.get("packages") or {}).get("bitsandbytes")]
+        problems.append(
+            f"QLoRA needs bitsandbytes, which {', '.join(lacking)} lack: run provision.yml "
+            "(the node stack installs it)"
+        )
+    if problems:
+        raise PlanError("QLoRA cannot be planned:\n- " + "\n- ".join(problems))
