@@ -55,6 +55,16 @@ SHAPES: dict[str, dict[str, int]] = {
         "vocab": 152064,
         "tied": 0,
     },
+    # Qwen2.5-14B: a 14B-class model for QLoRA on a 24 GiB card (issue 38).
+    "14b": {
+        "hidden": 5120,
+        "layers": 48,
+        "heads": 40,
+        "kv_heads": 8,
+        "intermediate": 13824,
+        "vocab": 152064,
+        "tied": 0,
+    },
     # A few thousand parameters: for CPU smoke tests of the bench scripts only.
     "tiny": {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 128},
 }

@@ -259,3 +259,28 @@ def test_the_environment_was_filled_by_uv_and_its_dependencies_agree(nodes: list
 def test_every_node_got_the_controllers_deepspeed_wheel(nodes: list[Host]) -> None:
     for host in nodes:
         assert host.file("/opt/llama-cluster/wheelhouse/deepspeed-0.19.8-py3-none-any.whl").is_file
+
+
+# Issue 38: the plan is for the memory each node has free now (llama.cluster.llama_node_usage,
+# read just before the plan), on the lab's CPU nodes its host memory; a run that does not fit it
+# is refused before any node changes.
+@pytest.mark.lab
+def test_the_plan_is_for_the_host_memory_free_now_and_refuses_what_does_not_fit(
+    provisioned: Cluster, lab_hosts: list[str]
+) -> None:
+    planned = ansible("ansible-playbook", "train.yml", "--check", "-e", "model=tiny")
+    said = " ".join(planned.stdout.split())
+    found = re.search(r"Host memory planned for: ([\d.]+) GiB per node \(smallest node: ([^,]+), "
+                      r"available now \(", said)  # fmt: skip
+    assert found, said[-3000:]
+    assert found.group(2) in lab_hosts
+    assert 0 < float(found.group(1)) < 1024
+    assert "plan only (--check): nothing was changed" in said
+    refused = ansible(
+        "ansible-playbook", "train.yml", "--check", "-e", "model=tiny", "-e",
+        "host_memory_gib=0.3", check=False,
+    )  # fmt: skip
+    said = " ".join(refused.stdout.split())
+    assert refused.returncode != 0
+    assert "The run does not fit the nodes' memory" in said
+    assert "Nothing was changed on any node." in said

@@ -196,7 +196,9 @@ def test_a_pid_of_another_namespace_is_not_taken_for_this_nodes_process(
 
 
 # ---- host memory: MemAvailable and the cgroup ----------------------------------------------------
-def _memory(tmp: Path, available_kib: int, cgroup: dict[str, str]) -> dict[str, Any]:
+def _memory(
+    tmp: Path, available_kib: int, cgroup: dict[str, str], membership: str = ""
+) -> dict[str, Any]:
     (tmp / "meminfo").write_text(
         f"MemTotal:       131072000 kB\nMemFree:         1000000 kB\n"
         f"MemAvailable:   {available_kib} kB\n"
@@ -205,7 +207,37 @@ def _memory(tmp: Path, available_kib: int, cgroup: dict[str, str]) -> dict[str, 
     for name, text in cgroup.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
-    return usage.host_memory(tmp / "meminfo", root)
+    (tmp / "self_cgroup").write_text(membership)
+    return usage.host_memory(tmp / "meminfo", root, tmp / "self_cgroup")
+
+
+def test_the_limit_of_the_modules_own_cgroup_counts_where_it_shares_the_hosts_tree(
+    tmp_path: Path,
+) -> None:
+    """A container with systemd shares the host's cgroup tree (cgroupns host): its limit is at
+    its own path, which /proc/self/cgroup names, not at the root."""
+    gib = 1024**3
+    v1 = {
+        "memory/memory.limit_in_bytes": "9223372036854771712\n",
+        "memory/docker/abc/memory.limit_in_bytes": f"{2 * gib}\n",
+        "memory/docker/abc/memory.usage_in_bytes": f"{gib}\n",
+        "memory/docker/abc/memory.stat": f"total_inactive_file {gib // 2}\n",
+    }
+    found = _memory(tmp_path, 100 * 1024 * 1024, v1, "12:memory:/docker/abc/init.scope\n")
+    assert (found["available_mib"], found["cgroup_limit_mib"]) == (1536, 2048)
+    assert found["source"] == "the cgroup's limit less its usage"
+
+
+def test_the_tightest_limit_of_a_cgroup_and_its_parents_counts(tmp_path: Path) -> None:
+    gib = 1024**3
+    v2 = {
+        "user.slice/memory.max": f"{8 * gib}\n",
+        "user.slice/memory.current": f"{7 * gib}\n",
+        "user.slice/user-1000.slice/memory.max": f"{4 * gib}\n",
+        "user.slice/user-1000.slice/memory.current": f"{gib}\n",
+    }
+    found = _memory(tmp_path, 100 * 1024 * 1024, v2, "0::/user.slice/user-1000.slice\n")
+    assert (found["available_mib"], found["cgroup_limit_mib"]) == (1024, 8192)
 
 
 def test_host_memory_is_memavailable_where_no_cgroup_limit_applies(tmp_path: Path) -> None:

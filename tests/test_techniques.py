@@ -189,3 +189,12 @@ def test_an_unknown_numerics_policy_is_refused() -> None:
 def test_fp8_is_a_numerics_change_that_exact_forbids() -> None:
     with pytest.raises(PlanError, match="FP8 changes the run's numerics"):
         make_plan("qwen2.5-1.5b", finetuning_type="full", fp8=True, numerics="exact")
+
+
+def test_a_cpu_run_that_does_not_fit_the_host_memory_free_now_is_refused() -> None:
+    cluster = nodes(2, accelerator="cpu")
+    for node in cluster:
+        node.update(host_memory_gib=0.5, host_memory_source="available now (MemAvailable)")
+    with pytest.raises(PlanError, match="The run does not fit the nodes' memory") as refused:
+        make_plan("tiny", cluster=cluster)
+    assert "n0 (available now (MemAvailable)) has 0.4 GiB to give" in str(refused.value)

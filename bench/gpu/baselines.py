@@ -21,6 +21,9 @@ Phases (each skipped, and says so, when its estimate would pass the deadline):
 - ``cap<N>-<goal>`` (``cap24-1.5b``): the same on an emulated GPU of N GiB.
 - ``fp8-<goal>``: train.yml with torch.compile, bf16 against ``fp8: true`` (torchao), same data
   and seed: tokens/s and the loss difference (LLaMA-Factory's float8 wants compiled kernels).
+- ``cards<N>-<goal>`` (``cards24-1.5bfull``, ``cards48-1.5bfull``, ``cards24-14blora``): issue 38:
+  on an emulated GPU of N GiB, train.yml with no options against CARD_VARIANTS, the hand configs
+  of a memory-bound expert (8-bit AdamW, compiled; Liger), same data, one after the other.
 
 A GPU cap (``cap<N>-`` phases, or ``--gpu-cap-gib N`` for the whole call) emulates a smaller GPU:
 every training process (train.yml's ranks and the hand runs) caps itself with
@@ -45,7 +48,33 @@ from harness import Box, Ctx, Goal
 GOALS = {
     **harness.GOALS,
     "7bfull": Goal("qwen2.5-7b", "7b", "full", 1.0, None),
+    # Issue 38: a full fine-tune on a 24/48 GiB card; a 14B-class LoRA, which the planner trains
+    # as QLoRA on 24 GiB.
+    "1.5bfull": Goal("qwen2.5-1.5b", "1.5b", "full", 1.0, None),
+    "14blora": Goal("qwen2.5-14b", "14b", "lora", 1.0, None),
 }
+# Issue 38's hand configs for a card of a few tens of GiB, over LLaMA-Factory's documented
+# options, by fine-tuning type: for a full fine-tune the issue's (torchao's 8-bit AdamW, 2 rows
+# accumulated twice, checkpointing, compiled), the same with bitsandbytes' 8-bit AdamW, and 4 rows
+# with Liger's fused loss; for LoRA, QLoRA at 2 x 2 and 1 x 4 and bf16 LoRA with Liger.
+CARD_VARIANTS: dict[str, dict[str, dict[str, Any]]] = {
+    "full": {
+        "h_torchao8_2x2_compile": {"optim": "adamw_torch_8bit", "per_device_train_batch_size": 2,
+                                   "gradient_accumulation_steps": 2, "torch_compile": True},
+        "h_bnb8_2x2_compile": {"optim": "adamw_8bit", "per_device_train_batch_size": 2,
+                               "gradient_accumulation_steps": 2, "torch_compile": True},
+        "h_bnb8_liger_4x1": {"optim": "adamw_8bit", "per_device_train_batch_size": 4,
+                             "gradient_accumulation_steps": 1, "enable_liger_kernel": True},
+    },
+    "lora": {
+        "h_qlora_2x2": {"quantization_bit": 4, "per_device_train_batch_size": 2,
+                        "gradient_accumulation_steps": 2},
+        "h_qlora_1x4": {"quantization_bit": 4, "per_device_train_batch_size": 1,
+                        "gradient_accumulation_steps": 4},
+        "h_liger_2x2": {"enable_liger_kernel": True, "per_device_train_batch_size": 2,
+                        "gradient_accumulation_steps": 2},
+    },
+}  # fmt: skip
 # Issue 21's targets through train.yml (tokens/s of the product).
 TARGETS = {"7bfull": 5000.0}
 # A compiled run needs its first steps for compilation before the timed window.
@@ -94,12 +123,14 @@ def parse_phase(phase: str) -> tuple[str, str, float | None]:
     cap = None
     if kind.startswith("cap") and kind[3:].replace(".", "", 1).isdigit():
         kind, cap = "target", float(kind[3:])
+    elif kind.startswith("cards") and kind[5:].replace(".", "", 1).isdigit():
+        kind, cap = "cards", float(kind[5:])
     if kind == "setup" and not key:
         return kind, "", None
-    if kind not in ("base", "cd", "target", "fp8") or key not in GOALS:
+    if kind not in ("base", "cd", "target", "fp8", "cards") or key not in GOALS:
         raise SystemExit(
             f"unknown phase {phase}: setup, base-<goal>, cd-<goal>, target-<goal>,"
-            " cap<GiB>-<goal>, fp8-<goal>;"
+            " cap<GiB>-<goal>, cards<GiB>-<goal>, fp8-<goal>;"
             f" goals: {' '.join(GOALS)}"
         )
     return kind, key, cap
@@ -279,6 +310,31 @@ def target_phase(ctx: Ctx, key: str) -> dict[str, Any]:
     return harness.save(dest, res)
 
 
+def cards_phase(ctx: Ctx, key: str) -> dict[str, Any]:
+    """Issue 38: under the call's GPU cap, train.yml with no options against the hand configs
+    of CARD_VARIANTS, one after the other on the same GPU, each measured after compiling."""
+    goal = GOALS[key]
+    dest = ctx.results / f"cards{ctx.gpu_memory_gib:g}-{key}"
+    box, ctx.mode.product = ctx.mode.product, COMPILE_BOX
+    try:
+        runs: dict[str, dict[str, Any]] = {"d_train_yml": product(ctx, dest / "d_train_yml", goal)}
+    finally:
+        ctx.mode.product = box
+    prod = runs["d_train_yml"]
+    cutoff = int(prod.get("rendered", {}).get("cutoff_len") or 2048)
+    base = {"packing": True, "disable_gradient_checkpointing": False}
+    for name, settings in CARD_VARIANTS[goal.finetuning].items():
+        if ctx.left() < 90:
+            harness.say(f"cards {key}: skip {name}, {ctx.left():.0f} s left")
+            continue
+        accumulation = int(settings.get("gradient_accumulation_steps", 1))
+        runs[name] = hand(ctx, dest / name, goal, accumulation, settings={**base, **settings},
+                          cutoff=cutoff, box=COMPILE_BOX)  # fmt: skip
+    summary = summarise(key, goal, {n.replace("h_", "c_", 1): r for n, r in runs.items()})
+    summary["cap_gib"] = ctx.gpu_memory_gib
+    return harness.save(dest, summary)
+
+
 # FP8 through the product: -e fp8=true (the planner renders bf16 off and sets
 # ACCELERATE_MIXED_PRECISION=fp8 in the ranks' environment: planner/decisions.py choose_fp8).
 # The third session of 2026-12-02 measured the same settings passed by hand (train_args fp8, bf16
@@ -327,7 +383,7 @@ def run(args: argparse.Namespace) -> int:
     cap_gpu(ctx, args.gpu_cap_gib)
     # Every model the call trains is generated from the start, in the background.
     harness.start_models(ctx, set().union(*(phase_sizes(ctx, p) for p in args.phases)))
-    estimates = {"setup": 90, "base": 420, "cd": 240, "target": 200, "fp8": 300}
+    estimates = {"setup": 90, "base": 420, "cd": 240, "target": 200, "fp8": 300, "cards": 420}
     for phase, (kind, key, cap) in zip(args.phases, parsed, strict=True):
         if kind != "setup" and ctx.left() < estimates[kind] / 2:
             harness.say(f"skip {phase}: {ctx.left():.0f} s left")
@@ -343,6 +399,10 @@ def run(args: argparse.Namespace) -> int:
                 print(json.dumps(cd_phase(ctx, key), indent=1), flush=True)
             elif kind == "fp8":
                 print(json.dumps(fp8_phase(ctx, key), indent=1), flush=True)
+            elif kind == "cards":
+                cap_gpu(ctx, cap)
+                print(json.dumps(cards_phase(ctx, key), indent=1), flush=True)
+                cap_gpu(ctx, args.gpu_cap_gib)
             else:
                 if cap is not None:
                     cap_gpu(ctx, cap)

@@ -234,3 +234,36 @@ def test_root_cause_skips_the_launchers_wrappers():
     assert analyse.root_cause("all fine") == ""
     ranked = "[rank0]: RuntimeError: There are currently no available devices found"
     assert analyse.root_cause(f"x\n{ranked}\nChildFailedError: ") == ranked
+
+
+def test_a_cards_phase_names_its_cap_and_a_goal_with_hand_configs_of_its_kind():
+    assert baselines.parse_phase("cards24-1.5bfull") == ("cards", "1.5bfull", 24.0)
+    assert baselines.parse_phase("cards48-14blora") == ("cards", "14blora", 48.0)
+    for key in ("1.5bfull", "14blora"):
+        assert baselines.CARD_VARIANTS[baselines.GOALS[key].finetuning]
+    with pytest.raises(SystemExit, match="cards<GiB>-<goal>"):
+        baselines.parse_phase("cards24-nope")
+
+
+def test_the_cards_models_have_shapes_to_generate():
+    assert {"1.5b", "14b"} <= set(make_model.SHAPES)
+
+
+def test_slimming_bitsandbytes_keeps_one_cuda_library_and_a_consistent_record(tmp_path):
+    import zipfile  # noqa: PLC0415
+
+    wheel = tmp_path / "bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl"
+    libs = ["libbitsandbytes_cuda118.so", "libbitsandbytes_cuda130.so", "libbitsandbytes_cpu.so"]
+    with zipfile.ZipFile(wheel, "w") as whl:
+        for name in ["__init__.py", *libs]:
+            whl.writestr(f"bitsandbytes/{name}", b"x")
+        record = "".join(f"bitsandbytes/{n},sha256=x,1\n" for n in ["__init__.py", *libs])
+        whl.writestr("bitsandbytes-0.50.2.dist-info/RECORD", record)
+    wheels.slim_bitsandbytes(wheel)
+    with zipfile.ZipFile(wheel) as whl:
+        names = set(whl.namelist())
+        record = whl.read("bitsandbytes-0.50.2.dist-info/RECORD").decode()
+    assert "bitsandbytes/libbitsandbytes_cuda118.so" not in names
+    assert {"bitsandbytes/libbitsandbytes_cuda130.so", "bitsandbytes/__init__.py"} <= names
+    assert "cuda118" not in record
+    assert "cuda130" in record

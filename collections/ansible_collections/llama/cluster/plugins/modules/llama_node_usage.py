@@ -31,9 +31,10 @@ description:
     listed by nvidia-smi with a PID this node's /proc does not have, or has for another
     program; such a process is returned with C(visible) false and the reason.
   - The host memory available now, in MiB - the smaller of MemAvailable (/proc/meminfo) and,
-    where a cgroup memory limit applies (v2 C(memory.max), v1 C(memory.limit_in_bytes) under
-    /sys/fs/cgroup), that limit less the cgroup's usage (less its inactive page cache, which
-    the kernel reclaims).
+    where a cgroup memory limit applies to the module's own cgroup or a parent of it
+    (/proc/self/cgroup; v2 C(memory.max), v1 C(memory.limit_in_bytes) under /sys/fs/cgroup), the
+    tightest such limit less its cgroup's usage (less its inactive page cache, which the kernel
+    reclaims).
   - A node without nvidia-smi (a CPU node) returns an empty C(gpus) list; an nvidia-smi that
     fails (no driver loaded, "No devices were found") returns C(gpus) as far as it was read and
     the error in C(nvidia_smi_error). Neither fails the task.
@@ -261,33 +262,66 @@ def _int(text: str | None) -> int | None:
     return int(value) if value.isdigit() else None
 
 
-def cgroup_memory(root: Path = CGROUP) -> tuple[int | None, int | None]:
-    """The cgroup's memory limit and what of it is free, in bytes: v2 (memory.max,
-    memory.current), else v1 (memory/memory.limit_in_bytes, memory.usage_in_bytes); the usage
+def _cgroup_dirs(root: Path, membership: str | None) -> list[tuple[Path, str]]:
+    """The memory cgroups this process is in, its own first, then each parent up to the root:
+    (directory, version) pairs. /proc/self/cgroup names them (v2 `0::/path`, v1
+    `N:...memory...:/path`); a container with its own cgroup namespace sees its cgroup as `/`,
+    one that shares the host's (systemd in a container) sees its whole path."""
+    found: list[tuple[Path, str]] = []
+    for line in (membership or "").splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":
+            base, version = root, "v2"
+        elif "memory" in controllers.split(","):
+            base, version = root / "memory", "v1"
+        else:
+            continue
+        rel = Path(path.strip() or "/").relative_to("/")
+        while True:
+            found.append((base / rel, version))
+            if rel == Path("."):
+                break
+            rel = rel.parent
+    return found or [(root, "v2"), (root / "memory", "v1")]
+
+
+def cgroup_memory(
+    root: Path = CGROUP, membership: Path = Path("/proc/self/cgroup")
+) -> tuple[int | None, int | None]:
+    """The tightest memory limit of this process's cgroups and what of it is free, in bytes:
+    v2 (memory.max, memory.current), v1 (memory.limit_in_bytes, memory.usage_in_bytes); the usage
     less the inactive page cache, which the kernel reclaims before it refuses memory. (None,
     None) where no limit applies."""
-    for limit_file, usage_file, stat_file, inactive in (
-        (root / "memory.max", root / "memory.current", root / "memory.stat", "inactive_file"),
-        (
-            root / "memory/memory.limit_in_bytes",
-            root / "memory/memory.usage_in_bytes",
-            root / "memory/memory.stat",
-            "total_inactive_file",
-        ),
-    ):
-        limit = _int(_read(limit_file))
-        usage = _int(_read(usage_file))
+    names = {
+        "v2": ("memory.max", "memory.current", "memory.stat", "inactive_file"),
+        "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", "memory.stat",
+               "total_inactive_file"),
+    }  # fmt: skip
+    tightest: tuple[int | None, int | None] = (None, None)
+    for directory, version in _cgroup_dirs(root, _read(membership)):
+        limit_name, usage_name, stat_name, inactive = names[version]
+        limit = _int(_read(directory / limit_name))
         if limit is None or limit >= NO_LIMIT:
             continue
-        used = max(0, (usage or 0) - _stat(_read(stat_file), inactive))
-        return limit, max(0, limit - used)
-    return None, None
+        usage = _int(_read(directory / usage_name))
+        used = max(0, (usage or 0) - _stat(_read(directory / stat_name), inactive))
+        free = max(0, limit - used)
+        if tightest[1] is None or free < tightest[1]:
+            tightest = (limit, free)
+    return tightest
 
 
-def host_memory(meminfo: Path = Path("/proc/meminfo"), cgroup: Path = CGROUP) -> dict[str, Any]:
+def host_memory(
+    meminfo: Path = Path("/proc/meminfo"),
+    cgroup: Path = CGROUP,
+    membership: Path = Path("/proc/self/cgroup"),
+) -> dict[str, Any]:
     """The memory the node's processes can have now (MiB) and which figure that is."""
     available = _meminfo_available(_read(meminfo))
-    limit, free = cgroup_memory(cgroup)
+    limit, free = cgroup_memory(cgroup, membership)
 
     def mib(value: int | None) -> int | None:
         return None if value is None else value // MIB

@@ -21,8 +21,8 @@ ansible.errors):
   `choose_compile`, `choose_fp8`), and the first stage that fits where the cost model does not
   apply (`choose_stage`: CPUs, a model of unknown shape);
 - `rules`: the `when`/`set` profile rules kept as data (`apply_rules`);
-- `assembly`: `assemble` puts it together (the DeepSpeed stage is chosen there, from the search's
-  winner or `choose_stage`), with the lines shown before launch;
+- `assembly`: `assemble` puts it together (the DeepSpeed stage and the technique are chosen
+  there, from the search's winner or `choose_stage`); `summary`: the lines shown before launch;
 - `checkpoints`: the checkpoint a continued run resumes from on every node (`resume_point`, which
   llama-job applies) and whether a stage's checkpoints are each node's own (`sharded`);
 - `disk`: the checkpoints kept, their size on every node and whether they fit its free space

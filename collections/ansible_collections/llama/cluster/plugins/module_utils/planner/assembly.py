@@ -20,7 +20,7 @@ from .decisions import (
     choose_stage,
     estimate_steps,
 )
-from .disk import disk_estimate, disk_summary
+from .disk import disk_estimate
 from .errors import TRAINING_FILE, PlanError
 from .links import run_link
 from .memory import GIB, Memory, gib_text
@@ -29,7 +29,15 @@ from .nodes import check_nodes
 from .rules import apply_rules, check_rules
 from .schema import Settings, check_project_settings, check_request
 from .search import SEARCH_STAGES, Option, Search, Tries, assess, ranked
-from .techniques import NUMERICS_EVIDENCE, PLAIN, Technique, candidates, fallback
+from .summary import summary
+from .techniques import (
+    NUMERICS_EVIDENCE,
+    PLAIN,
+    Technique,
+    available_packages,
+    candidates,
+    check_quantization,
+)
 
 # Stages that keep the weights in host memory: a LoRA run that fits only with one of them may be
 # planned as QLoRA instead (its 4-bit weights fit the GPU).
@@ -85,33 +93,19 @@ def _tries(
     stages: Sequence[str],
     memory: Memory,
     explicit: Mapping[str, Any],
-    *,
-    numerics: str,
-    quantization: int,
-    available: frozenset[str],
-    planner_fallback: bool = False,
+    **how: Any,  # noqa: ANN401 - techniques.candidates' options
 ) -> Tries:
     """The techniques each stage tries (planner/techniques.py), less those a setting of the
     user's excludes: an optimizer or Liger set in train_args is kept as set."""
-    pick = fallback if planner_fallback else candidates
-    tries = {}
-    for stage in stages:
-        found = tuple(
-            t
-            for t in pick(
-                memory.finetuning,
-                stage,
-                numerics=numerics,
-                available=available,
-                **({} if planner_fallback else {"quantization": quantization}),
-            )
-            if ("optim" not in explicit or t.optim == explicit["optim"])
-            and (
-                "enable_liger_kernel" not in explicit or t.liger == explicit["enable_liger_kernel"]
-            )
-        )
-        tries[stage] = found
-    return tries
+    liger = explicit.get("enable_liger_kernel")
+
+    def kept(t: Technique) -> bool:
+        return explicit.get("optim", t.optim) == t.optim and liger in (None, t.liger)
+
+    return {
+        stage: tuple(t for t in candidates(memory.finetuning, stage, **how) if kept(t))
+        for stage in stages
+    }
 
 
 def _searched(
@@ -151,7 +145,7 @@ def _searched(
     if on_gpu or how["quantization"]:
         return Search(asks, shape, rank, options, skipped, tries)
     # The bf16 weights fit the GPU with no stage: QLoRA's 4-bit ones compete with the offload.
-    extra = _tries(stages, memory, explicit, **how, planner_fallback=True)
+    extra = _tries(stages, memory, explicit, **how, fallback=True)
     quantized, _ = ranked(memory, asks, shape, link, rank, tries=extra)
     if not quantized:
         return Search(asks, shape, rank, options, skipped, tries)
@@ -229,50 +223,16 @@ def _refuse_unfitting(search: Search, memory: Memory, stage: str, numerics: str)
     )
 
 
-def available_packages(nodes: Sequence[Mapping[str, Any]]) -> frozenset[str]:
-    """The optional packages (techniques.OPTIONAL) that every node's stack has."""
-    if not nodes:
-        return frozenset()
-    have = [{k for k, v in (n.get("packages") or {}).items() if v} for n in nodes]
-    return frozenset(set.intersection(*have))
-
-
-def check_quantization(
-    request: Mapping[str, Any],
-    model: Mapping[str, Any],
-    nodes: Sequence[Mapping[str, Any]],
-    accelerator: str,
-    available: frozenset[str],
-) -> None:
-    """QLoRA (-e quantization_bit=4) as measured: LoRA, plain DDP, NVIDIA GPUs, bitsandbytes on
-    every node, numerics not exact; PlanError naming what to change otherwise."""
-    bits = request["quantization_bit"]
-    problems = []
-    if model["finetuning_type"] != "lora":
-        problems.append(
-            f"QLoRA trains LoRA adapters on {bits}-bit frozen weights; this run is "
-            f"finetuning_type={model['finetuning_type']}: add -e finetuning_type=lora"
-        )
-    if (request.get("deepspeed") or "auto") not in ("auto", "none"):
-        problems.append(
-            f"QLoRA was measured with plain DDP only, not deepspeed={request['deepspeed']}: "
-            "leave deepspeed to the planner (-e deepspeed=auto)"
-        )
-    if request["numerics"] == "exact":
-        problems.append(
-            "4-bit weights change the run's numerics, and numerics=exact forbids every such "
-            "change: drop quantization_bit, or set -e numerics=measured"
-        )
-    if accelerator == "cpu":
-        problems.append("QLoRA's 4-bit kernels need NVIDIA GPUs; this cluster trains on CPUs")
-    elif "bitsandbytes" not in available:
-        lacking = [n["host"] for n in nodes if not (n.get("packages") or {}).get("bitsandbytes")]
-        problems.append(
-            f"QLoRA needs bitsandbytes, which {', '.join(lacking)} lack: run provision.yml "
-            "(the node stack installs it)"
-        )
-    if problems:
-        raise PlanError("QLoRA cannot be planned:\n- " + "\n- ".join(problems))
+def _cpu_memory_refusal(memory: Memory, node: Mapping[str, Any] | None) -> str:
+    """Why a CPU run does not fit the node with the least memory, and the ways out."""
+    where = f"{node['host']} ({node['host_memory_source']})" if node else "the smallest node"
+    return (
+        f"The run does not fit the nodes' memory: its {memory.nproc} training processes per node "
+        f"need about {gib_text(memory.host_need('none'))} (fp32 weights, gradients and AdamW "
+        f"states, and each process's own), and {where} has {gib_text(memory.host_budget)} to "
+        "give. Free memory there, train fewer processes per node (nproc_per_node), LoRA "
+        "(-e finetuning_type=lora), or a smaller model. Nothing was changed on any node."
+    )
 
 
 def _technique(search: Search | None, stage: str) -> Technique:
@@ -431,7 +391,7 @@ def assemble(
     check_project_settings(data, model)
     smallest = _smallest(nodes)
     gib = smallest["gpu_memory_gib"] if smallest else None
-    smallest_host = _smallest(nodes, "host_memory_gib") if accelerator != "cpu" else None
+    smallest_host = _smallest(nodes, "host_memory_gib")
     host_gib = smallest_host["host_memory_gib"] if smallest_host else None
     memory = Memory(
         params=float(model["params_b"]) * 1e9,
@@ -444,6 +404,7 @@ def assemble(
             host_gib * GIB * float(data.memory["host_usable_fraction"]) if host_gib else None
         ),
         nproc=nproc,
+        on_cpu=accelerator == "cpu",
     )
     train_args = request["train_args"]
     facts = {
@@ -471,6 +432,8 @@ def assemble(
     )
     explicit = {**profile, **(model.get("train_args") or {}), **train_args}
     explicit.pop("cutoff_len", None)  # model.cutoff_len holds it
+    if memory.on_cpu and not memory.host_fits(stage):
+        raise PlanError(_cpu_memory_refusal(memory, smallest_host))
     technique = _technique(search, stage)
     memory = replace(memory, technique=technique)
     cost = None
@@ -543,9 +506,7 @@ def assemble(
         "memory_estimate_gib": round(batch.need / GIB, 1) if batch.need else None,
         "host_memory_gib": host_gib,
         "host_budget_gib": round(memory.host_budget / GIB, 1) if memory.host_budget else None,
-        "host_estimate_gib": (
-            round(memory.host_need(stage) / GIB, 1) if accelerator != "cpu" else None
-        ),
+        "host_estimate_gib": round(memory.host_need(stage) / GIB, 1),
         "nodes": {
             n["host"]: {
                 key: n.get(key)
@@ -583,77 +544,3 @@ def assemble(
     }
     result["summary"] = summary(result, smallest, smallest_host, performance_lines)
     return result
-
-
-def _count(params_b: float) -> str:
-    """7.62B, 494M, 11,152: a parameter count as people write it."""
-    params = params_b * 1e9
-    if params >= 1e9:
-        return f"{params_b:g}B"
-    return f"{params / 1e6:.0f}M" if params >= 1e6 else f"{params:,.0f}"
-
-
-def summary(
-    plan: Mapping[str, Any],
-    smallest: Mapping[str, Any] | None,
-    smallest_host: Mapping[str, Any] | None = None,
-    performance: Sequence[str] = (),
-) -> list[str]:
-    """The lines train.yml shows before it touches a node."""
-    model = plan["model"]
-    args = plan["train_args"]
-    lines = [
-        f"Run {plan['run_id']}: {plan['model_name']} ({model['path']}), "
-        f"{model['finetuning_type']}, {_count(model['params_b'])} parameters "
-        f"({model['params_source']})"
-        + (
-            "; trust_remote_code: the model's own code from its repository runs on every node"
-            if model["trust_remote_code"]
-            else ""
-        ),
-        f"Nodes {plan['nnodes']} x {plan['nproc_per_node']} processes = world size "
-        f"{plan['world_size']} ({plan['accelerator']})",
-        f"Effective batch {plan['effective_batch']} = per-device "
-        f"{args.get('per_device_train_batch_size')} x accumulation "
-        f"{args.get('gradient_accumulation_steps')} x world size {plan['world_size']}"
-        f" ({plan['decisions']['batch']})",
-        f"Tokens per optimizer step: {plan['tokens_per_step']} per process x {plan['world_size']}"
-        f" = {plan['tokens_per_optimizer_step']} "
-        + (
-            f"(packed rows of {model['cutoff_len']} tokens)"
-            if plan["packing"]
-            else f"(at most: samples of up to {model['cutoff_len']} tokens, padded)"
-        ),
-        f"DeepSpeed: {plan['deepspeed']} ({plan['decisions']['deepspeed']})",
-        f"Memory-saving technique: {plan['decisions']['technique']}",
-        f"Gradient checkpointing: {'on' if plan['gradient_checkpointing'] else 'off'} "
-        f"({plan['decisions']['checkpointing']})",
-        f"Packing: {'on' if plan['packing'] else 'off'}; torch.compile: "
-        f"{'on' if plan['torch_compile'] else 'off'} ({plan['decisions']['torch_compile']})",
-    ]
-    if "fp8" in plan["decisions"]:
-        lines.append(plan["decisions"]["fp8"])
-    if smallest is not None:
-        lines.append(
-            f"GPU memory planned for: {plan['gpu_memory_gib']} GiB per GPU (smallest node: "
-            f"{smallest['host']}, {smallest['memory_source']}); budget "
-            f"{plan['memory_budget_gib']} GiB, estimated need "
-            f"{plan['memory_estimate_gib'] if plan['memory_estimate_gib'] else 'unknown'} GiB"
-        )
-    if smallest is not None:
-        lines.append(
-            f"Host memory planned for: {plan['host_memory_gib']} GiB per node (smallest node: "
-            f"{smallest_host['host']}, {smallest_host['host_memory_source']}); budget "
-            f"{plan['host_budget_gib']} GiB, estimated need {plan['host_estimate_gib']} GiB"
-            if smallest_host is not None
-            else "Host memory: not known (facts from before host memory was recorded: run "
-            f"provision.yml, or set host_memory_gib); estimated need {plan['host_estimate_gib']} "
-            "GiB per node"
-        )
-    lines.extend(performance)
-    lines.extend(disk_summary(plan["disk"]))
-    lines.append(f"Restarts after a failure: at most {plan['max_restarts']}")
-    lines.append("Datasets: " + ", ".join(d.get("name", "") for d in plan["datasets"]))
-    if plan["rules_applied"]:
-        lines.append("Profile rules applied: " + "; ".join(plan["rules_applied"]))
-    return lines

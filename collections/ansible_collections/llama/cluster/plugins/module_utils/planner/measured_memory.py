@@ -85,6 +85,11 @@ COEFFICIENTS: dict[str, float] = {
     "backward/full/zero2_offload": 1.9696,
     "host.offload2_full": 16.88,
     "host.offload2_base_gib": 9.87,
+    # A CPU cluster (the lab) trains in fp32 in host memory: weights, gradients and AdamW's two
+    # moments, 16 bytes a trained weight, 4 a frozen one (arithmetic, not measured), beside
+    # host.base_gib (the process, as on a GPU node).
+    "host.cpu_full": 16.0,
+    "host.cpu_lora": 4.0,
     # The grid of issue 21 (bench/gpu/fit_memory.py).
     "allocator_headroom": 1.08,
     "backward/full/none": 13.2537,

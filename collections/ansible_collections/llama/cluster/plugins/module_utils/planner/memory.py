@@ -57,6 +57,7 @@ class Memory:
     host_budget: float | None = None
     nproc: int = 1
     technique: Technique = PLAIN
+    on_cpu: bool = False  # a CPU cluster: the training itself lives in host memory
 
     @staticmethod
     def usable(gpu_gib: float) -> float:
@@ -141,7 +142,9 @@ class Memory:
         with zero2_offload 1/world of the optimizer's state and DeepSpeed's pinned buffers."""
         c = measured.COEFFICIENTS
         per_param, base = c["host.load"], c["host.base_gib"]
-        if MEASURED_STAGE[stage] == "zero3_offload":
+        if self.on_cpu:
+            per_param = c[f"host.cpu_{self._kind()}"]
+        elif MEASURED_STAGE[stage] == "zero3_offload":
             per_param = max(per_param, c[f"host.offload_{self._kind()}"] / self.world)
         elif MEASURED_STAGE[stage] == "zero2_offload":
             per_param = max(per_param, c["host.offload2_full"] / self.world)

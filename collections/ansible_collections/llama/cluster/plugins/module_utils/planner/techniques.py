@@ -21,8 +21,11 @@ Standard library only.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from .errors import PlanError
 
 # The values of -e numerics: `measured` (default) allows the numerics changes measured to hold;
 # `exact` forbids every one (8-bit optimizer states, a planner-chosen QLoRA, FP8).
@@ -125,14 +128,20 @@ def candidates(
     numerics: str = "measured",
     quantization: int = 0,
     available: frozenset[str] | set[str] = frozenset(OPTIONAL),
+    fallback: bool = False,
 ) -> Iterator[Technique]:
     """The techniques the search tries with this fine-tuning type and stage.
 
-    `quantization`: the QLoRA bits the user asked for (0: none asked; then QLoRA is the
-    planner's fallback, see `fallback`); `available`: the optional packages every node has."""
+    `quantization`: the QLoRA bits the user asked for (then only QLoRA); `available`: the
+    optional packages every node has; `fallback`: QLoRA alone, for a LoRA run whose bf16 weights
+    fit the GPU with no stage (never under numerics exact)."""
     kind = "full" if finetuning == "full" else "lora"
     if quantization:
         yield from QUANTIZED.get((kind, stage), ())
+        return
+    if fallback:
+        if kind == "lora" and numerics != "exact" and "bitsandbytes" in available:
+            yield from QUANTIZED.get((kind, stage), ())
         return
     for technique in MEASURED.get((kind, stage), (PLAIN,)):
         if numerics == "exact" and technique.numerics_changes():
@@ -142,14 +151,47 @@ def candidates(
         yield technique
 
 
-def fallback(
-    finetuning: str,
-    stage: str,
-    *,
-    numerics: str = "measured",
-    available: frozenset[str] | set[str] = frozenset(OPTIONAL),
-) -> Iterator[Technique]:
-    """QLoRA for a LoRA run whose bf16 weights fit no stage (never under numerics: exact)."""
-    if finetuning == "full" or numerics == "exact" or "bitsandbytes" not in available:
-        return
-    yield from QUANTIZED.get(("lora", stage), ())
+def available_packages(nodes: Sequence[Mapping[str, Any]]) -> frozenset[str]:
+    """The optional packages (techniques.OPTIONAL) that every node's stack has."""
+    if not nodes:
+        return frozenset()
+    have = [{k for k, v in (n.get("packages") or {}).items() if v} for n in nodes]
+    return frozenset(set.intersection(*have))
+
+
+def check_quantization(
+    request: Mapping[str, Any],
+    model: Mapping[str, Any],
+    nodes: Sequence[Mapping[str, Any]],
+    accelerator: str,
+    available: frozenset[str],
+) -> None:
+    """QLoRA (-e quantization_bit=4) as measured: LoRA, plain DDP, NVIDIA GPUs, bitsandbytes on
+    every node, numerics not exact; PlanError naming what to change otherwise."""
+    bits = request["quantization_bit"]
+    problems = []
+    if model["finetuning_type"] != "lora":
+        problems.append(
+            f"QLoRA trains LoRA adapters on {bits}-bit frozen weights; this run is "
+            f"finetuning_type={model['finetuning_type']}: add -e finetuning_type=lora"
+        )
+    if (request.get("deepspeed") or "auto") not in ("auto", "none"):
+        problems.append(
+            f"QLoRA was measured with plain DDP only, not deepspeed={request['deepspeed']}: "
+            "leave deepspeed to the planner (-e deepspeed=auto)"
+        )
+    if request["numerics"] == "exact":
+        problems.append(
+            "4-bit weights change the run's numerics, and numerics=exact forbids every such "
+            "change: drop quantization_bit, or set -e numerics=measured"
+        )
+    if accelerator == "cpu":
+        problems.append("QLoRA's 4-bit kernels need NVIDIA GPUs; this cluster trains on CPUs")
+    elif "bitsandbytes" not in available:
+        lacking = [n["host"] for n in nodes if not (n.get("packages") or {}).get("bitsandbytes")]
+        problems.append(
+            f"QLoRA needs bitsandbytes, which {', '.join(lacking)} lack: run provision.yml "
+            "(the node stack installs it)"
+        )
+    if problems:
+        raise PlanError("QLoRA cannot be planned:\n- " + "\n- ".join(problems))
