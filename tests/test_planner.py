@@ -892,7 +892,7 @@ def test_numbers_given_as_text_are_accepted_and_converted() -> None:
                 "learning_rate": "5e-5",
                 "per_device_train_batch_size": "4",
                 "bf16": "true",
-                "my_own_key": "kept",
+                "lr_scheduler_type": "cosine",
             },
             cutoff_len="1024",
             max_restarts="3",
@@ -905,7 +905,7 @@ def test_numbers_given_as_text_are_accepted_and_converted() -> None:
         "learning_rate": 5e-5,
         "per_device_train_batch_size": 4,
         "bf16": True,
-        "my_own_key": "kept",
+        "lr_scheduler_type": "cosine",
     }
     assert (checked["cutoff_len"], checked["max_restarts"], checked["tokens_per_step"]) == (
         1024,

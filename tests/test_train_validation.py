@@ -339,7 +339,25 @@ BAD_NUMBERS = {
     "train_args.lora_rank = 0 (must be an integer >= 1)": {"lora_rank": 0},
     "train_args.cutoff_len = 0 (must be an integer >= 1)": {"cutoff_len": 0},
 }
+# Names LLaMA-Factory 0.9.5 does not take, or that the plan sets itself, in the same request.
+BAD_NAMES = {
+    "train_args.lerning_rate is not an argument of LLaMA-Factory 0.9.5 (closest: learning_rate": {
+        "lerning_rate": 1e-4
+    },
+    "train_args key 'bad key: x' is not an argument name": {"bad key: x": 1},
+    "train_args.output_dir is set by the plan, which would replace it: leave it out": {
+        "output_dir": "/tmp/mine"
+    },
+    "train_args.template is set by the plan, which would replace it: leave it out (ask for the "
+    "template with -e model_template=<template>)": {"template": "qwen"},
+}
 BAD_RUN_INPUTS = {
+    "model_template = 'qwn3' is not a template of LLaMA-Factory 0.9.5 (closest: qwen3": (
+        "model_template=qwn3"
+    ),
+    "run_id = 'train-1-x' names a run to continue (-e resume=true -e run_id=<id>)": (
+        "run_id=train-1-x"
+    ),
     "-e cutoff_len = 'long' (must be an integer >= 1 or 0": "cutoff_len=long",
     "-e max_restarts = -1 (must be an integer >= 0)": "max_restarts=-1",
     "-e tokens_per_step (training_tokens_per_step) = 'many' (must be an integer >= 1)": (
@@ -352,14 +370,16 @@ BAD_RUN_INPUTS = {
 def bad_numbers(tmp_path_factory: pytest.TempPathFactory) -> str:
     tmp = tmp_path_factory.mktemp("bad")
     inventory = _inventory(tmp, {"a": _node("192.0.2.1")}, {"b": _node("192.0.2.2")})
-    train_args = {k: v for one in BAD_NUMBERS.values() for k, v in one.items()}
+    train_args = {
+        k: v for one in [*BAD_NUMBERS.values(), *BAD_NAMES.values()] for k, v in one.items()
+    }
     extra = [x for value in BAD_RUN_INPUTS.values() for x in ("-e", value)]
     return _fails_before_nodes(
         inventory, "-e", "model=tiny", "-e", json.dumps({"train_args": train_args}), *extra
     )
 
 
-@pytest.mark.parametrize("message", [*BAD_NUMBERS, *BAD_RUN_INPUTS])
+@pytest.mark.parametrize("message", [*BAD_NUMBERS, *BAD_NAMES, *BAD_RUN_INPUTS])
 def test_a_bad_number_is_refused_before_any_node_is_touched(bad_numbers: str, message: str) -> None:
     assert message in bad_numbers
     assert "The request cannot be planned" in bad_numbers

@@ -329,6 +329,7 @@ class ActionModule(ActionBase):
             for key in (
                 "model",
                 "model_path",
+                "run_id",
                 "model_template",
                 "finetuning_type",
                 "lora_target",
