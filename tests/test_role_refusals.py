@@ -14,10 +14,11 @@ from __future__ import annotations
 import json
 import os
 import re
+from pathlib import Path
 
 import pytest
 
-from tests.role_cases import LOCAL, run_cases
+from tests.role_cases import LOCAL, ROOT, run_cases
 
 SECRET = "FAKE-secret-value-9f2c"  # must never show in a message
 
@@ -192,3 +193,34 @@ def test_the_service_refuses_secrets_it_cannot_write_naming_no_value(
 ) -> None:
     assert said in refusals[case], refusals[case]
     assert SECRET not in refusals[case]
+
+
+# ---- the master's ports: one list for the check before anything is written and for launch ----
+PORT_CASES = {
+    "several_nodes": ({"job_single_node": False}, [29500, 29499]),
+    "one_node_job": ({"job_single_node": True}, [29500]),
+    "no_watchdog": ({"job_single_node": False, "job_watchdog_port": 0}, [29500]),
+}
+
+
+def test_the_ports_checked_before_writing_are_the_ones_the_job_listens_on(
+    tmp_path: Path,
+) -> None:
+    # roles/job's tasks_from: ports refused a busy watchdog port only at launch on a cluster of
+    # one node (it checked master_port alone there, the job's specification both).
+    hosts = {
+        name: {**LOCAL, "job_master_port": 29500, "job_watchdog_port": 29499, **case}
+        for name, (case, _) in PORT_CASES.items()
+    }
+    play = {
+        "name": "The job's master ports",
+        "hosts": "all",
+        "gather_facts": False,
+        "vars_files": [str(ROOT / "roles" / "job" / "vars" / "main.yml")],
+        "tasks": [{"name": "Show", "ansible.builtin.debug": {"msg": "{{ __job_master_ports }}"}}],
+    }
+    out = run_cases(tmp_path, {"all": {"hosts": hosts}}, [play])
+    shown = dict(re.findall(r"^ok: \[(\S+)\] => (\{.*\})$", out, re.M))
+    assert {name: json.loads(shown[name])["msg"] for name in PORT_CASES} == {
+        name: ports for name, (_, ports) in PORT_CASES.items()
+    }
