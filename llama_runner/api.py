@@ -33,6 +33,7 @@ from llama_runner.events import (
     error_from_events,
     touched_nodes,
 )
+from llama_runner.extravars import argument as extravars_argument
 from llama_runner.results import (
     Event,
     HostStats,
@@ -472,9 +473,11 @@ class Cluster:
         self._cancel.clear()
         try:
             public, secret, secret_env = run_secrets(extravars, os.environ)
+            # Every string marked unsafe (llama_runner/extravars.py): data, never a template.
+            public_argument = extravars_argument(public)
+            secrets = SecretsFile(self.private_data_dir, ident, secret)
         except ValueError as exc:
             raise InvalidInput(str(exc)) from exc
-        secrets = SecretsFile(self.private_data_dir, ident, secret)
 
         def handle(event: Event) -> bool:
             # Extra variables are read before the first play: the file is no longer needed.
@@ -490,8 +493,9 @@ class Cluster:
                 project_dir=str(self.project_dir),
                 playbook=str(playbook),
                 inventory=str(self.inventory) if inventory else None,
-                extravars=public,
-                cmdline=" ".join(filter(None, [secrets.argument, "--check" if check else ""]))
+                cmdline=" ".join(
+                    filter(None, [secrets.argument, public_argument, "--check" if check else ""])
+                )
                 or None,
                 envvars=self._envvars(),
                 ident=ident,

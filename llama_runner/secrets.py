@@ -6,8 +6,9 @@ process list to every user of the controller) and writes that command line, with
 environment it passes on, to `artifacts/<ident>/command`. So a run's secrets travel otherwise:
 
 - secret extra variables (a name or a key inside it made of a word such as key, token,
-  password or secret: `hf_token`, `serve_api_key`, `tracking_secrets`) go to a 0600 JSON file
-  under `<private_data_dir>/secrets/` passed as `-e @<file>`, removed as soon as ansible-playbook
+  password or secret: `hf_token`, `serve_api_key`, `tracking_secrets`) go to a 0600 YAML file
+  under `<private_data_dir>/secrets/` passed as `-e @<file>` (every string in it `!unsafe`, as
+  llama_runner/extravars.py writes it: never a template), removed as soon as ansible-playbook
   has read its extra variables (its playbook_on_start event) and in any case after the run;
 - secret variables of the controller's environment (`HF_TOKEN`, `WANDB_API_KEY`, ...) leave the
   environment that ansible-runner records and passes on, and travel in the same file as the
@@ -18,7 +19,6 @@ environment it passes on, to `artifacts/<ident>/command`. So a run's secrets tra
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
@@ -26,6 +26,8 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from llama_runner.extravars import unsafe_yaml
 
 # Words of a name (split at anything not a letter or digit) that make it a secret. "tokens"
 # is left out on purpose: a training project counts tokens everywhere (tokens_per_step).
@@ -92,6 +94,7 @@ class SecretsFile:
 
     `argument` is what goes on the command line (`-e @<path>`), "" when there is nothing
     secret. discard() removes the file; it is safe to call more than once, from any thread.
+    ValueError (before any file is made) for a value that cannot be passed (extravars.plain).
     """
 
     def __init__(self, private_data_dir: Path, ident: str, variables: Mapping[str, Any]) -> None:
@@ -99,13 +102,14 @@ class SecretsFile:
         self._lock = threading.Lock()
         if not variables:
             return
+        text = unsafe_yaml(variables, one_line=False)
         directory = private_data_dir / SECRETS_DIR
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         directory.chmod(0o700)
-        path = directory / f"{ident}.json"
+        path = directory / f"{ident}.yml"
         descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-            json.dump(dict(variables), handle)
+            handle.write(text)
         self.path = path
 
     @property

@@ -57,6 +57,20 @@ def _materialise_datasets() -> Path:
 DATA = _materialise_datasets()
 
 
+@pytest.fixture
+def test_net_inventory(tmp_path: Path) -> Path:
+    """Two CPU nodes at TEST-NET addresses (192.0.2.1, .2) that nothing answers: a request that
+    got past the controller's checks fails on "unreachable" instead of its refusal."""
+    inventory = tmp_path / "inventory.yml"
+    node = '{"ansible_host": "192.0.2.%d", "cluster_accelerator": "cpu", "nproc_per_node": 1}'
+    inventory.write_text(
+        "all:\n  children:\n    cluster:\n      children:\n"
+        f"        master:\n          hosts:\n            a: {node % 1}\n"
+        f"        workers:\n          hosts:\n            b: {node % 2}\n"
+    )
+    return inventory
+
+
 @pytest.fixture(scope="session")
 def lab() -> Cluster:
     if not DEFAULT_INVENTORY.is_file():

@@ -337,6 +337,20 @@ def test_a_file_that_is_not_records_is_named_with_the_reason(tmp_path: Path, con
     assert said in str(err.value)
 
 
+def test_a_file_that_is_not_a_dataset_is_never_quoted(tmp_path: Path) -> None:
+    # The lab's probe (issue 40): a dataset path linked to /etc/shadow had its first bytes in
+    # the error. Only a dataset's own records are ever shown.
+    secret = "root:$6$FAKEsaltFAKEhash:19000:0:99999:7:::"
+    shadow = _write(tmp_path, "shadow", f"{secret}\ndaemon:*:19000:0:99999:7:::\n".encode())
+    linked = tmp_path / "data.json"
+    linked.symlink_to(shadow)
+    with pytest.raises(check.DatasetFileError) as err:
+        check.check_file(str(linked), _spec("alpaca"))
+    said = str(err.value)
+    assert "is neither a JSON list of records" in said
+    assert not [part for part in ("root", "$6$", "FAKE", "daemon") if part in said]
+
+
 def test_json_lines_with_a_byte_order_mark_are_read(tmp_path: Path) -> None:
     # pyarrow (LLaMA-Factory's JSON Lines reader) skips a BOM; a JSON list with one fails there.
     path = _write(tmp_path, "bom.jsonl", b"\xef\xbb\xbf" + json.dumps(A).encode() + b"\n")

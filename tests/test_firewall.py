@@ -11,14 +11,12 @@ in the molecule scenarios (cluster, in_use).
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from ansible_collections.llama.cluster.plugins.module_utils import ufw
+
+from tests.role_cases import LOCAL, run_cases
 
 NODES = ["10.0.0.11", "10.0.0.12"]
 OWNED = [
@@ -439,8 +437,6 @@ def test_rules_ufw_cannot_take_are_refused(rule: dict, problem: str) -> None:
 # entry point (validate: provision.yml's and wiring.yml's pre-flight; service: roles/service's).
 # Nothing reaches ufw: the service cases run with firewall_enabled false, which skips only the
 # module, not the check.
-ROOT = Path(__file__).resolve().parents[1]
-ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
 CHECKS_PLAYBOOK = [
     {
         "name": "roles/firewall's checks",
@@ -492,24 +488,10 @@ CASES: dict[str, dict] = {
 def refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Each case's failure message ('' for a case that passed)."""
     tmp = tmp_path_factory.mktemp("firewall-checks")
-    local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
-    hosts = {name: {"firewall_entry": "validate", **local, **case} for name, case in CASES.items()}
-    (tmp / "hosts.yml").write_text(json.dumps({"all": {"hosts": hosts}}))
-    (tmp / "checks.yml").write_text(json.dumps(CHECKS_PLAYBOOK))
-    # One line of JSON per result, so that each host's message is read whole.
-    env = {
-        **os.environ,
-        "ANSIBLE_STDOUT_CALLBACK": "ansible.builtin.default",
-        "ANSIBLE_CALLBACK_RESULT_FORMAT": "json",
-        "ANSIBLE_CALLBACK_FORMAT_PRETTY": "false",
-        "ANSIBLE_NOCOLOR": "1",
-        "ANSIBLE_CACHE_PLUGIN_CONNECTION": str(tmp / "facts"),
-    }
-    argv = [str(ANSIBLE_PLAYBOOK), "-i", str(tmp / "hosts.yml"), str(tmp / "checks.yml")]
-    done = subprocess.run(argv, check=False, cwd=ROOT, env=env, capture_output=True, text=True)
-    fatal = re.findall(r"^fatal: \[(\S+)\]: FAILED! => (\{.*\})$", done.stdout, re.M)
+    hosts = {name: {"firewall_entry": "validate", **LOCAL, **case} for name, case in CASES.items()}
+    out = run_cases(tmp, {"all": {"hosts": hosts}}, CHECKS_PLAYBOOK)
+    fatal = re.findall(r"^fatal: \[(\S+)\]: FAILED! => (\{.*\})$", out, re.M)
     failed = {host: " ".join(json.loads(result).get("msg", "").split()) for host, result in fatal}
-    assert "PLAY RECAP" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
     return {name: failed.get(name, "") for name in CASES}
 
 

@@ -22,17 +22,18 @@ from ansible_collections.llama.cluster.plugins.filter import cluster
 ROOT = Path(__file__).resolve().parents[1]
 ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
 
-GHOST = "ansible_host=127.0.0.1 ansible_port=9"
+GHOST = "ansible_host=127.0.0.{n} ansible_port=9"
 
 
 def ini(tmp: Path, text: str) -> Path:
-    """An INI inventory whose host lines get GHOST's address appended."""
+    """An INI inventory whose host lines get a ghost address appended, one loopback address per
+    line (two hosts at one address are one machine, which the check refuses)."""
     lines, section = [], ""
     for line in text.strip().splitlines():
         if line.startswith("["):
             section = line
         host_line = not line.startswith("[") and not section.endswith((":vars]", ":children]"))
-        lines.append(f"{line} {GHOST}" if host_line else line)
+        lines.append(f"{line} {GHOST.format(n=len(lines) + 1)}" if host_line else line)
     path = tmp / "hosts.ini"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -44,8 +45,8 @@ def yaml_inventory(tmp: Path, inventory: dict) -> Path:
     return path
 
 
-def ghost() -> dict:
-    return {"ansible_host": "127.0.0.1", "ansible_port": 9}
+def ghost(n: int = 1) -> dict:
+    return {"ansible_host": f"127.0.0.{n}", "ansible_port": 9}
 
 
 def run(playbook: str, inventory: Path, *extra: str) -> tuple[int, str]:
@@ -65,6 +66,8 @@ def run(playbook: str, inventory: Path, *extra: str) -> tuple[int, str]:
             "ANSIBLE_STDOUT_CALLBACK": "ansible.builtin.default",
             "PATH": "/usr/bin:/bin",
             "HOME": str(inventory.parent),
+            # A fact cache of the test's own: no facts from other runs, none left behind.
+            "ANSIBLE_CACHE_PLUGIN_CONNECTION": str(inventory.parent / "facts"),
         },
     )
     return done.returncode, done.stdout + done.stderr
@@ -114,10 +117,10 @@ def test_a_node_in_neither_master_nor_workers(tmp_path: Path):
         "all": {
             "children": {
                 "cluster": {
-                    "hosts": {"c": ghost()},
+                    "hosts": {"c": ghost(3)},
                     "children": {
                         "master": {"hosts": {"a": ghost()}},
-                        "workers": {"hosts": {"b": ghost()}},
+                        "workers": {"hosts": {"b": ghost(2)}},
                     },
                 }
             }
@@ -315,6 +318,36 @@ def groups(master: list[str], workers: list[str], **others: list[str]) -> dict[s
             {"master_port": 40000, "nccl_port_range_start": 40000, "nccl_port_range_end": 40999},
             "master_port of a (40000) is inside the NCCL port range 40000-40999",
         ),
+        ({"watchdog_port": 22}, "watchdog_port of a is 22: allowed is 0 (a cluster of one node"),
+        (
+            {"watchdog_port": 40500, "nccl_port_range_start": 40000, "nccl_port_range_end": 40999},
+            "watchdog_port of a (40500) is inside the NCCL port range 40000-40999",
+        ),
+        (
+            {"master_port": 29500, "watchdog_port": 29500},
+            "master_port and watchdog_port of a are both 29500: the master listens on each",
+        ),
+        (
+            {"rendezvous_port": 29499, "watchdog_port": 29499},
+            "watchdog_port and rendezvous_port of a are both 29499",
+        ),
+        (
+            {"cluster_environment": {"NCCL_DEBUG": "INFO\nexport EVIL=1"}},
+            "cluster_environment of a.NCCL_DEBUG holds a line break (or a NUL)",
+        ),
+        (
+            {"cluster_environment": {"BAD-NAME": "1", "1ST": "x", "OK_1": "y"}},
+            "cluster_environment of a has names an environment variable cannot have: 'BAD-NAME',"
+            " '1ST' (allowed: letters, digits and '_'",
+        ),
+        (
+            {"cluster_environment": {"X": {"nested": 1}}},
+            "cluster_environment of a.X is a dict: a variable's value is text",
+        ),
+        (
+            {"cluster_environment": ["NCCL_DEBUG=INFO"]},
+            "cluster_environment of a is a list: it must be a mapping of NAME: value",
+        ),
     ],
 )
 def test_each_number_rule_names_what_is_allowed(settings: dict, problem: str):
@@ -331,10 +364,152 @@ def test_each_number_rule_names_what_is_allowed(settings: dict, problem: str):
         {"master_port": 1024, "rendezvous_port": 0, "cluster_address": "fd00::12"},
         {"master_port": 29500, "nccl_port_range_start": 40000, "nccl_port_range_end": 40000},
         {"cluster_accelerator": "cpu", "cluster_address": " 10.0.0.12 "},
+        {"master_port": 29500, "rendezvous_port": 29500, "watchdog_port": 0},  # one node
+        {"cluster_environment": {"NCCL_DEBUG": "INFO", "_X1": 3, "FLAG": True}},
     ],
 )
 def test_good_values_pass(settings: dict):
     assert cluster.inventory_report(groups(["a"], []), {"a": settings})["problems"] == []
+
+
+def test_no_watchdog_port_is_refused_on_a_cluster_of_several_nodes():
+    hostvars = {"a": {"watchdog_port": 0}, "b": {"watchdog_port": "0"}}
+    assert cluster.inventory_report(groups(["a"], ["b"]), hostvars)["problems"] == [
+        "watchdog_port is 0 on a, b, but the cluster has 2 nodes: their agents keep their "
+        "heartbeats with the master's on that port (0 is for a cluster of one node). Set a free "
+        "port (default 29499)."
+    ]
+
+
+# ---- two inventory hosts that are one machine -------------------------------------------------
+def _facts(machine: str, *addresses: str) -> dict:
+    return {"ansible_facts": {"machine_id": machine, "all_ipv4_addresses": list(addresses)}}
+
+
+@pytest.mark.parametrize(
+    ("hostvars", "problem"),
+    [
+        (
+            {"a": {"ansible_host": "10.0.0.1"}, "b": {"ansible_host": "10.0.0.1 "}},
+            "a and b are one machine: they are reached at the same address 10.0.0.1. Every rank",
+        ),
+        (
+            {"a": {}, "b": {"ansible_host": "A"}},  # no ansible_host: the name is the address
+            "a and b are one machine: they are reached at the same address A.",
+        ),
+        (
+            {
+                "a": {"ansible_host": "h", "ansible_port": 2222},
+                "b": {"ansible_host": "h", "ansible_port": "2222"},
+            },
+            "a and b are one machine: they are reached at the same address h port 2222.",
+        ),
+        (
+            {"a": {"cluster_address": "10.1.0.1"}, "b": {"cluster_address": "10.1.0.1"}},
+            "a and b are one machine: they have the same cluster_address 10.1.0.1.",
+        ),
+        (
+            {"a": _facts("m1", "10.0.0.2", "10.0.0.1"), "b": _facts("m1", "10.0.0.1", "10.0.0.2")},
+            "a and b are one machine: they have, in their facts, the same machine-id m1 and "
+            "addresses 10.0.0.1, 10.0.0.2.",
+        ),
+    ],
+)
+def test_two_hosts_that_are_one_machine_are_refused_naming_both(hostvars: dict, problem: str):
+    report = cluster.inventory_report(groups(["a"], ["b"]), hostvars, [], True)
+    assert len(report["problems"]) == 1, report["problems"]
+    assert report["problems"][0].startswith(problem)
+    assert "the run would count it twice: list each machine once" in report["problems"][0]
+
+
+@pytest.mark.parametrize(
+    "hostvars",
+    [
+        {"a": {"ansible_host": "h", "ansible_port": 2201}, "b": {"ansible_host": "h",
+                                                                 "ansible_port": 2202}},
+        # Cloned images share a machine-id (the lab's containers all carry their image's): the
+        # addresses tell the machines apart.
+        {"a": _facts("m1", "10.0.0.1"), "b": _facts("m1", "10.0.0.2")},
+        # The controller itself has no address to compare (tests simulate nodes this way).
+        {"a": {"ansible_connection": "local"}, "b": {"ansible_connection": "local"}},
+        # Logical nodes of one machine that split its GPUs (bench/gpu/inventory.yml).
+        {
+            "a": {"ansible_host": "h", "gpu_ids": [0], **_facts("m1", "10.0.0.1")},
+            "b": {"ansible_host": "h", "gpu_ids": ["1"], **_facts("m1", "10.0.0.1")},
+        },
+    ],
+)  # fmt: skip
+def test_hosts_that_differ_in_address_port_or_facts_are_distinct_machines(hostvars: dict):
+    assert cluster.inventory_report(groups(["a"], ["b"]), hostvars, [], True)["problems"] == []
+
+
+def test_hosts_of_one_machine_that_share_a_gpu_are_refused():
+    hostvars = {"a": {"ansible_host": "h", "gpu_ids": [0, 1]}, "b": {"ansible_host": "h"}}
+    assert cluster.inventory_report(groups(["a"], ["b"]), hostvars)["problems"]
+    hostvars["b"]["gpu_ids"] = [1, 2]
+    (problem,) = cluster.inventory_report(groups(["a"], ["b"]), hostvars)["problems"]
+    assert "to split one machine's GPUs between hosts, give each its own gpu_ids" in problem
+
+
+def test_cached_facts_are_not_compared_unless_asked():
+    # The controller's check reads cached facts, which may predate a fix of the inventory.
+    hostvars = {"a": _facts("m1", "10.0.0.1"), "b": _facts("m1", "10.0.0.1")}
+    assert cluster.inventory_report(groups(["a"], ["b"]), hostvars)["problems"] == []
+    assert cluster.inventory_report(groups(["a"], ["b"]), hostvars, [], True)["problems"]
+
+
+def test_train_refuses_two_hosts_at_one_address_before_contacting_a_node(tmp_path: Path):
+    # The lab's probe (issue 40): both ranks trained on one machine, reported as world size 2.
+    inventory = {
+        "all": {
+            "children": {
+                "master": {"hosts": {"a": ghost(1)}},
+                "workers": {"hosts": {"b": ghost(1), "c": ghost(2)}},
+            }
+        }
+    }
+    out = refused("train.yml", yaml_inventory(tmp_path, inventory), "-e", "model=tiny")
+    assert "a and b are one machine: they are reached at the same address 127.0.0.1 port 9" in out
+
+
+def test_train_refuses_one_machine_under_two_names_from_the_facts_before_writing(tmp_path: Path):
+    # Two names for this controller (a local connection has no address to compare before the
+    # nodes are contacted): the facts train.yml gathers show one machine-id and one set of
+    # addresses, and its first task on the nodes refuses, before anything is written there.
+    local = {
+        "ansible_connection": "local",
+        "ansible_python_interpreter": sys.executable,
+        "cluster_accelerator": "cpu",
+        "nproc_per_node": 1,
+    }
+    inventory = {
+        "all": {"children": {"master": {"hosts": {"a": local}}, "workers": {"hosts": {"b": local}}}}
+    }
+    rc, out = run("train.yml", yaml_inventory(tmp_path, inventory), "-e", "model=tiny")
+    said = " ".join(out.split())
+    assert rc != 0, said[-3000:]
+    assert "TASK [Train | Refuse two inventory hosts that are one machine]" in said
+    assert "a and b are one machine: they have, in their facts, the same machine-id" in said
+    assert "Nothing was written on any node." in said
+    assert "Refuse to start while a run is in progress" not in said
+    assert {host: recap(out)[host]["changed"] for host in ("a", "b")} == {"a": 0, "b": 0}
+
+
+def test_wiring_refuses_a_newline_in_the_cluster_environment_before_contacting_a_node(
+    tmp_path: Path,
+):
+    inventory = {
+        "all": {
+            "vars": {"cluster_environment": {"NCCL_DEBUG": "INFO\nLD_PRELOAD=/tmp/x.so"}},
+            "children": {
+                "master": {"hosts": {"a": ghost(1)}},
+                "workers": {"hosts": {"b": ghost(2)}},
+            },
+        }
+    }
+    out = refused("playbooks/wiring.yml", yaml_inventory(tmp_path, inventory))
+    assert "cluster_environment of a.NCCL_DEBUG holds a line break" in out
+    assert "cluster_environment of b.NCCL_DEBUG holds a line break" in out
 
 
 def test_without_a_cluster_group_master_and_workers_are_the_nodes():

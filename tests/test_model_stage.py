@@ -428,19 +428,13 @@ print(json.dumps(seen))
 
 
 def test_an_unreachable_modelscope_refuses_a_model_outside_the_catalogue_naming_it(
-    tmp_path: Path,
+    tmp_path: Path, test_net_inventory: Path
 ) -> None:
     # TEST-NET nodes: a request that got past the probe would fail on "unreachable" instead.
     # The controller gets no answer, so the master is asked, and it does not answer either. (A
     # catalogue model is planned with its catalogue's config instead: tests/test_run_plan_action.py;
     # Hugging Face, with a look at the nodes: molecule/train/tests/test_models.py.)
-    inventory = tmp_path / "inventory.yml"
-    node = '{"ansible_host": "192.0.2.%d", "cluster_accelerator": "cpu", "nproc_per_node": 1}'
-    inventory.write_text(
-        "all:\n  children:\n    cluster:\n      children:\n"
-        f"        master:\n          hosts:\n            a: {node % 1}\n"
-        f"        workers:\n          hosts:\n            b: {node % 2}\n"
-    )
+    inventory = test_net_inventory
     request = ["-e", "model=mine", "-e", "model_path=Qwen/Qwen2.5-7B-Instruct"]
     request += ["-e", "model_template=qwen", "-e", "model_hub=modelscope"]
     endpoint = ["-e", "modelscope_endpoint=http://127.0.0.1:9"]

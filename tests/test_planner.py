@@ -21,7 +21,11 @@ from ansible_collections.llama.cluster.plugins.filter.run_config import (
     train_yaml,
 )
 from ansible_collections.llama.cluster.plugins.module_utils.planner.assembly import plan
-from ansible_collections.llama.cluster.plugins.module_utils.planner.decisions import choose_compile
+from ansible_collections.llama.cluster.plugins.module_utils.planner.decisions import (
+    check_dataset_batch,
+    choose_compile,
+    largest_micro,
+)
 from ansible_collections.llama.cluster.plugins.module_utils.planner.errors import PlanError
 from ansible_collections.llama.cluster.plugins.module_utils.planner.measured_memory import (
     COEFFICIENTS,
@@ -398,9 +402,82 @@ def test_without_packing_the_batch_comes_from_the_defaults() -> None:
     assert any("at most: samples of up to 2048" in line for line in plan["summary"])
 
 
-def test_a_micro_batch_that_does_not_fit_is_refused_naming_the_setting() -> None:
-    with pytest.raises(PlanError, match="smaller per_device_train_batch_size"):
-        make_plan(cluster=nodes(1, gib=24), train_args={"per_device_train_batch_size": 16})
+def test_a_micro_batch_that_does_not_fit_is_refused_naming_the_largest_that_fits() -> None:
+    gpus = nodes(1, gib=32)
+    with pytest.raises(PlanError) as refused:
+        make_plan(cluster=gpus, deepspeed="none", train_args={"per_device_train_batch_size": 16})
+    said = str(refused.value)
+    found = re.search(r"The largest micro-batch that fits is (\d+): -e '(.*?)'", said)
+    assert found, said
+    largest = int(found.group(1))
+    assert json.loads(found.group(2)) == {"train_args": {"per_device_train_batch_size": largest}}
+    assert 1 < largest < 16
+    fits = make_plan(cluster=gpus, train_args={"per_device_train_batch_size": largest})
+    assert fits["deepspeed"] == "none"
+    with pytest.raises(
+        PlanError, match="does not fit the GPUs with deepspeed=none: a micro-batch of"
+    ):
+        make_plan(
+            cluster=gpus, deepspeed="none", train_args={"per_device_train_batch_size": largest + 1}
+        )
+
+
+def test_a_cpu_micro_batch_the_nodes_memory_cannot_hold_is_refused_naming_the_largest() -> None:
+    # The lab's probe (issue 40): a per-device batch of 1,000,000 took 10 GB per node on CPUs.
+    cpus = [{**node, "host_memory_gib": 64.0} for node in nodes(2, accelerator="cpu")]
+    model = "qwen2.5-0.5b"  # a shape in the catalogue (the tiny model's is read from its files)
+    with pytest.raises(PlanError) as refused:
+        make_plan(model, cluster=cpus, train_args={"per_device_train_batch_size": 1_000_000})
+    said = str(refused.value)
+    assert said.startswith("The run does not fit the nodes' memory: a micro-batch of 1000000 x")
+    found = re.search(r"The largest micro-batch that fits is (\d+): -e '(.*?)'", said)
+    assert found, said
+    largest = int(found.group(1))
+    assert largest > 1
+    make_plan(model, cluster=cpus, train_args={"per_device_train_batch_size": largest})
+    with pytest.raises(PlanError, match="does not fit the nodes' memory"):
+        make_plan(model, cluster=cpus, train_args={"per_device_train_batch_size": largest + 1})
+    # Without the nodes' memory there is nothing to plan for: as set.
+    assert make_plan(model, cluster=nodes(2, accelerator="cpu"))
+
+
+@pytest.mark.parametrize(
+    ("below", "fitting", "largest"), [(16, 5, 5), (16, 0, 0), (1, 9, 0), (2, 1, 1)]
+)
+def test_the_largest_micro_batch_is_the_last_that_fits(below: int, fitting: int, largest: int):
+    assert largest_micro(lambda micro: micro <= fitting, below) == largest
+
+
+@pytest.mark.parametrize(
+    ("batch", "records", "said"),
+    [
+        ((4, 8, 2), 64, None),  # exactly the dataset
+        ((4, 8, 2), None, None),  # records unknown
+        ((4, 8, 2), 63, "per_device_train_batch_size=3 with gradient_accumulation_steps=8 "
+                        "(effective batch 48)"),
+        ((4, 8, 2), 10, "per_device_train_batch_size=1 with gradient_accumulation_steps=5 "
+                        "(effective batch 10)"),
+        ((1, 1, 16), 14, "fewer records than processes"),
+    ],
+)  # fmt: skip
+def test_an_effective_batch_beyond_the_records_is_refused_with_the_largest_that_fits(
+    batch: tuple[int, int, int], records: int | None, said: str | None
+) -> None:
+    micro, accumulation, world = batch
+    ask = {"micro": micro, "accumulation": accumulation, "world": world, "records": records}
+    if said is None:
+        check_dataset_batch(**ask, packing=False)
+        return
+    with pytest.raises(PlanError, match=re.escape(said)):
+        check_dataset_batch(**ask, packing=False)
+
+
+def test_max_samples_caps_the_records_each_dataset_gives() -> None:
+    asked = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2}
+    # 4 x 2 x 2 processes = 16 rows per step; one dataset of which max_samples are read.
+    make_plan(cluster=nodes(2), dataset_records=1000, train_args={**asked, "max_samples": 16})
+    with pytest.raises(PlanError, match="more than the dataset's 15 records"):
+        make_plan(cluster=nodes(2), dataset_records=1000, train_args={**asked, "max_samples": 15})
 
 
 def test_checkpointing_the_user_asks_for_is_kept() -> None:
@@ -892,7 +969,7 @@ def test_numbers_given_as_text_are_accepted_and_converted() -> None:
                 "learning_rate": "5e-5",
                 "per_device_train_batch_size": "4",
                 "bf16": "true",
-                "my_own_key": "kept",
+                "lr_scheduler_type": "cosine",
             },
             cutoff_len="1024",
             max_restarts="3",
@@ -905,7 +982,7 @@ def test_numbers_given_as_text_are_accepted_and_converted() -> None:
         "learning_rate": 5e-5,
         "per_device_train_batch_size": 4,
         "bf16": True,
-        "my_own_key": "kept",
+        "lr_scheduler_type": "cosine",
     }
     assert (checked["cutoff_len"], checked["max_restarts"], checked["tokens_per_step"]) == (
         1024,

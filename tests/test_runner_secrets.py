@@ -225,7 +225,7 @@ def test_api_run_keeps_secrets_off_command_lines_and_out_of_artifacts(
 
 
 def test_api_train_keeps_the_hf_token_from_a_mirror_and_out_of_artifacts(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, test_net_inventory: Path
 ):
     # train.yml stops on the controller at the hub probe (nothing listens on port 9; the master,
     # asked in its turn, does not answer), after the defaults have read the token: TEST-NET
@@ -233,13 +233,7 @@ def test_api_train_keeps_the_hf_token_from_a_mirror_and_out_of_artifacts(
     # would be planned with the config its entry carries.
     monkeypatch.setenv("HF_TOKEN", FAKE_HF)
     monkeypatch.setenv("ANSIBLE_TIMEOUT", "5")  # a TEST-NET master that drops packets
-    inventory = tmp_path / "inventory.yml"
-    node = '{"ansible_host": "192.0.2.%d", "cluster_accelerator": "cpu", "nproc_per_node": 1}'
-    inventory.write_text(
-        "all:\n  children:\n    cluster:\n      children:\n"
-        f"        master:\n          hosts:\n            a: {node % 1}\n"
-        f"        workers:\n          hosts:\n            b: {node % 2}\n"
-    )
+    inventory = test_net_inventory
     runner_dir = tmp_path / "runner"
     cluster = Cluster(inventory, private_data_dir=runner_dir)
     with pytest.raises(InvalidInput) as caught:

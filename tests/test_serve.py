@@ -18,6 +18,7 @@ import pytest
 from ansible_collections.llama.cluster.plugins.filter.serve import (
     ServeError,
     controller_address,
+    export_request,
     serve_api_key_source,
     serve_backend,
     serve_model,
@@ -85,7 +86,10 @@ def test_a_catalogue_model_and_an_export_directory_are_sources_of_their_own():
         ({"run_id": "r", "model": "tiny"}, "-e run_id and -e model: serve one thing"),
         ({"model": "tiny", "merged": "true"}, "-e merged and -e checkpoint pick a run's model"),
         ({"checkpoint": "500"}, "checkpoint='500': write checkpoint-<step>"),
+        ({"checkpoint": "checkpoint-5/../../x"}, "write checkpoint-<step>"),
+        ({"run_id": "../../etc"}, "run_id='../../etc': a run's id (letters, digits"),
         ({"export_dir": "models/m", "model_template": "qwen"}, "an absolute path"),
+        ({"export_dir": "/data/../etc", "model_template": "qwen"}, "without '.' or '..' parts"),
         ({"export_dir": "/data/m"}, "-e export_dir needs -e model_template"),
         ({"model": "llama-9"}, "Unknown model 'llama-9'. Known models: qwen-7b, tiny"),
     ],
@@ -94,6 +98,36 @@ def test_a_bad_request_is_refused_naming_the_fix(given, message):
     with pytest.raises(ServeError, match="Nothing was changed") as refused:
         _ask(**given)
     assert message in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        ({"run_id": "train-1-x/../.."}, "run_id='train-1-x/../..': a run's id"),
+        ({"run_id": ".."}, "run_id='..': a run's id"),
+        ({"checkpoint": "../../../etc"}, "checkpoint='../../../etc': write checkpoint-<step>"),
+        ({"export_dir": "/"}, "export_dir='/': an absolute path on the node, not /"),
+        ({"export_dir": "merged"}, "export_dir='merged': an absolute path"),
+        ({"export_dir": "/opt/x/../../etc"}, "without '.' or '..' parts"),
+        ({"export_dir": "/data/./m"}, "without '.' or '..' parts"),
+        ({"export_dir": "//data/m"}, "export_dir='//data/m'"),
+        ({"export_dir": "/data/m\nx"}, "export_dir='/data/m\\nx'"),
+    ],
+)
+def test_export_refuses_values_that_would_be_paths_outside_their_place(given, said):
+    with pytest.raises(ServeError, match="Cannot export") as refused:
+        export_request(given)
+    assert said in str(refused.value)
+    assert "Nothing was changed on any node" in str(refused.value)
+
+
+def test_export_takes_a_run_a_checkpoint_and_a_plain_directory():
+    asked = {"run_id": "train-20261201-100000-tiny", "checkpoint": "checkpoint-500"}
+    assert export_request({**asked, "export_dir": "/data/models/mine/"}) == {
+        **asked,
+        "export_dir": "/data/models/mine/",
+    }
+    assert export_request({}) == {"run_id": "", "checkpoint": "", "export_dir": ""}
 
 
 def test_every_problem_is_listed_at_once():
@@ -322,6 +356,12 @@ def test_train_args_that_are_no_mapping_are_left_to_the_planner():
         ),
         ("train.yml", ["-e", "model=tiny", "-e", "report_to=wandb"], "needs WANDB_API_KEY"),
         ("train.yml", ["-e", "model=tiny", "-e", "report_to=comet"], "report_to comet"),
+        (
+            "playbooks/export.yml",
+            ["-e", "checkpoint=../../../../etc/cron.d/x", "-e", "export_dir=/"],
+            "Cannot export: - checkpoint='../../../../etc/cron.d/x': write checkpoint-<step> - "
+            "export_dir='/': an absolute path on the node, not /",
+        ),
     ],
 )
 def test_a_bad_request_fails_before_any_node_is_contacted(tmp_path, playbook, extra, message):

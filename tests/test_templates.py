@@ -73,6 +73,17 @@ def _inventory(tmp: Path, mib: int = 143771, nodes: int = 2, nproc: int = 8) -> 
     return path
 
 
+def _large_demo(out: Path, model: str) -> dict[str, Any]:
+    """datasets_catalogue with demo_alpaca's records repeated to 4,096: 16 processes ask more
+    records of a step than its 28, which the plan refuses (an effective batch beyond the
+    dataset). Its entry, name and format are demo_alpaca's."""
+    demo = json.loads((ROOT / "data" / "demo_alpaca.json").read_text())
+    path = out / f"{model}-demo_alpaca.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps([demo[i % len(demo)] for i in range(4096)]))
+    return {"datasets_catalogue": {"demo_alpaca": {"file": str(path), "formatting": "alpaca"}}}
+
+
 def _render(
     inventory: Path, out: Path, model: str, extra: dict[str, Any] | None = None
 ) -> subprocess.CompletedProcess:
@@ -90,6 +101,8 @@ def _render(
             f"render_root={out / model}",
             "-e",
             json.dumps(extra or {"stages": [s for m, s in PAIRS if m == model]}),
+            "-e",
+            json.dumps(_large_demo(out, model)),
         ],
         cwd=ROOT,
         capture_output=True,

@@ -189,15 +189,23 @@ def _plan(inventory: Path, *extra: str) -> str:
     return out
 
 
+def _large_dataset(tmp: Path, records: int = 2048) -> list[str]:
+    """-e arguments for an alpaca file of `records` records (demo_alpaca's, repeated): a plan
+    for many processes asks each step for more records than demo_alpaca's 28, which is refused."""
+    demo = json.loads((ROOT / "data" / "demo_alpaca.json").read_text())
+    path = tmp / "large_alpaca.json"
+    path.write_text(json.dumps([demo[i % len(demo)] for i in range(records)]))
+    return ["-e", f"dataset_file={path}", "-e", "dataset_format=alpaca"]
+
+
 def test_effective_batch_and_world_size_are_printed(tmp_path: Path) -> None:
     inventory = _inventory(
         tmp_path,
         {"a": _node("192.0.2.1", nproc_per_node=4)},
         {"b": _node("192.0.2.2", nproc_per_node=4), "c": _node("192.0.2.3", nproc_per_node=4)},
     )
-    out = _plan(
-        inventory, "-e", "model=tiny", "-e", '{"train_args": {"gradient_accumulation_steps": 3}}'
-    )
+    accumulate = '{"train_args": {"gradient_accumulation_steps": 3}}'
+    out = _plan(inventory, "-e", "model=tiny", "-e", accumulate, *_large_dataset(tmp_path))
     assert "Nodes 3 x 4 processes = world size 12" in out
     assert "Effective batch 72 = per-device 2 x accumulation 3 x world size 12" in out
 
@@ -230,8 +238,36 @@ def test_deepspeed_stage_rule(
         {"a": _node("192.0.2.1", gpu_mib=mib, nproc_per_node=nproc)},
         {"b": _node("192.0.2.2", gpu_mib=mib, nproc_per_node=nproc)},
     )
-    out = _plan(inventory, "-e", f"model={model}", "-e", json.dumps(extra))
+    out = _plan(
+        inventory, "-e", f"model={model}", "-e", json.dumps(extra), *_large_dataset(tmp_path)
+    )
     assert f"DeepSpeed: {stage} (" in out
+
+
+def test_an_effective_batch_larger_than_the_dataset_is_refused_naming_the_largest(
+    tmp_path: Path,
+) -> None:
+    # The lab's probe (issue 40): a per-device batch of 1,000,000 on 28 records was planned
+    # without a word and held 10 GB per node until stopped.
+    two = _inventory(tmp_path, {"a": _node("192.0.2.1")}, {"b": _node("192.0.2.2")})
+    huge = '{"train_args": {"per_device_train_batch_size": 1000000}}'
+    out = _fails_before_nodes(two, "-e", "model=tiny", "-e", huge)
+    assert (
+        "The effective batch is 2000000 records per optimizer step (per_device_train_batch_size "
+        "1000000 x gradient_accumulation_steps 1 x 2 processes), more than the dataset's 28 "
+        "records. The largest that fits is per_device_train_batch_size=14 with "
+        "gradient_accumulation_steps=1 (effective batch 28)"
+    ) in out
+    # The largest it names is planned.
+    fits = '{"train_args": {"per_device_train_batch_size": 14}}'
+    assert "Effective batch 28 = per-device 14" in _plan(two, "-e", "model=tiny", "-e", fits)
+    # More processes than records: nothing fits but a larger dataset or fewer nodes.
+    many = _inventory(
+        tmp_path, {"a": _node("192.0.2.1", nproc_per_node=16)}, {"b": _node("192.0.2.2",
+                                                                            nproc_per_node=16)}
+    )  # fmt: skip
+    out = _fails_before_nodes(many, "-e", "model=tiny")
+    assert "fewer records than processes, so some would train on nothing" in out
 
 
 def test_the_plan_is_for_the_smallest_gpu_in_the_facts(tmp_path: Path) -> None:
@@ -339,7 +375,25 @@ BAD_NUMBERS = {
     "train_args.lora_rank = 0 (must be an integer >= 1)": {"lora_rank": 0},
     "train_args.cutoff_len = 0 (must be an integer >= 1)": {"cutoff_len": 0},
 }
+# Names LLaMA-Factory 0.9.5 does not take, or that the plan sets itself, in the same request.
+BAD_NAMES = {
+    "train_args.lerning_rate is not an argument of LLaMA-Factory 0.9.5 (closest: learning_rate": {
+        "lerning_rate": 1e-4
+    },
+    "train_args key 'bad key: x' is not an argument name": {"bad key: x": 1},
+    "train_args.output_dir is set by the plan, which would replace it: leave it out": {
+        "output_dir": "/tmp/mine"
+    },
+    "train_args.template is set by the plan, which would replace it: leave it out (ask for the "
+    "template with -e model_template=<template>)": {"template": "qwen"},
+}
 BAD_RUN_INPUTS = {
+    "model_template = 'qwn3' is not a template of LLaMA-Factory 0.9.5 (closest: qwen3": (
+        "model_template=qwn3"
+    ),
+    "run_id = 'train-1-x' names a run to continue (-e resume=true -e run_id=<id>)": (
+        "run_id=train-1-x"
+    ),
     "-e cutoff_len = 'long' (must be an integer >= 1 or 0": "cutoff_len=long",
     "-e max_restarts = -1 (must be an integer >= 0)": "max_restarts=-1",
     "-e tokens_per_step (training_tokens_per_step) = 'many' (must be an integer >= 1)": (
@@ -352,14 +406,16 @@ BAD_RUN_INPUTS = {
 def bad_numbers(tmp_path_factory: pytest.TempPathFactory) -> str:
     tmp = tmp_path_factory.mktemp("bad")
     inventory = _inventory(tmp, {"a": _node("192.0.2.1")}, {"b": _node("192.0.2.2")})
-    train_args = {k: v for one in BAD_NUMBERS.values() for k, v in one.items()}
+    train_args = {
+        k: v for one in [*BAD_NUMBERS.values(), *BAD_NAMES.values()] for k, v in one.items()
+    }
     extra = [x for value in BAD_RUN_INPUTS.values() for x in ("-e", value)]
     return _fails_before_nodes(
         inventory, "-e", "model=tiny", "-e", json.dumps({"train_args": train_args}), *extra
     )
 
 
-@pytest.mark.parametrize("message", [*BAD_NUMBERS, *BAD_RUN_INPUTS])
+@pytest.mark.parametrize("message", [*BAD_NUMBERS, *BAD_NAMES, *BAD_RUN_INPUTS])
 def test_a_bad_number_is_refused_before_any_node_is_touched(bad_numbers: str, message: str) -> None:
     assert message in bad_numbers
     assert "The request cannot be planned" in bad_numbers

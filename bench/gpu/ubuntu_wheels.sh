@@ -27,10 +27,11 @@ NODE=(llamafactory transformers tokenizers peft accelerate datasets trl deepspee
   hjson pydantic pydantic-core annotated-types typing-inspection)
 CONTROLLER=(ansible-core resolvelib cryptography cffi pycparser jinja2 markupsafe pyyaml packaging)
 
-pin() { # pin FILE NAME: name==version from a lock or constraints file (names compared PEP 503-style)
+pin() { # pin FILE NAME: name==version from a lock or constraints file (names compared PEP 503-style;
+  # a lock line's hashes, after the version, are left out)
   awk -v want="$2" 'BEGIN { IGNORECASE = 1; gsub(/[-_.]+/, "-", want) }
-    /^[^#].*==/ { split($0, p, "=="); n = p[1]; gsub(/[-_.]+/, "-", n)
-      if (tolower(n) == tolower(want)) { print p[1] "==" p[2]; found = 1 } }
+    /^[^# ].*==/ { split($0, p, "=="); split(p[2], v, " "); n = p[1]; gsub(/[-_.]+/, "-", n)
+      if (tolower(n) == tolower(want)) { print p[1] "==" v[1]; found = 1 } }
     END { exit !found }' "$1" || { echo "ubuntu_wheels: $2 is not pinned in $1" >&2; exit 1; }
 }
 

@@ -287,7 +287,7 @@ def declared_h200() -> Iterator[None]:
 
 @pytest.mark.usefixtures("declared_h200")
 def test_a_measured_10_mbit_link_refuses_zero3_and_accepts_ddp_with_accumulation(
-    slow_links: str,
+    slow_links: str, tmp_path: Path
 ) -> None:
     # The links only (the all-reduce is test_full_check's): the planner then takes the slowest
     # TCP stream between two nodes.
@@ -322,7 +322,13 @@ def test_a_measured_10_mbit_link_refuses_zero3_and_accepts_ddp_with_accumulation
     accumulate = {
         "train_args": {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 64}
     }
+    # 64 micro-steps of every process need more records than demo_alpaca's 28 (the plan refuses
+    # an effective batch beyond the dataset): its records, repeated.
+    demo = json.loads((PROJECT / "data" / "demo_alpaca.json").read_text())
+    large = tmp_path / "large_alpaca.json"
+    large.write_text(json.dumps([demo[i % len(demo)] for i in range(8192)]))
     ddp = ("-e", "deepspeed=none", "-e", json.dumps(accumulate), "--check")
+    ddp += ("-e", f"dataset_file={large}", "-e", "dataset_format=alpaca")
     accepted = playbook("train.yml", *gpus, *ddp)
     out = said(accepted)
     assert accepted.returncode == 0, out[-3000:]

@@ -17,6 +17,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 from urllib.error import HTTPError
+from urllib.parse import urljoin, urlsplit
 
 from ansible.errors import AnsibleError
 from ansible.module_utils.urls import ConnectionError as UrlConnectionError
@@ -78,6 +79,9 @@ TINY_MODEL_FLAGS = {
 
 # A run planned in a second that another run of this controller holds takes a later one.
 CLAIM_SECONDS = 60
+# Redirects the hub probe follows, and the headers it never carries to another host.
+MAX_REDIRECTS = 5
+CREDENTIAL_HEADERS = ("authorization", "cookie")
 
 
 class Refused(Exception):
@@ -167,28 +171,54 @@ def dataset_list(
     return datasets
 
 
+def origin(url: str) -> tuple[str, str, int | None]:
+    """Scheme, host and port of a URL (the port a scheme implies where none is written)."""
+    parts = urlsplit(url)
+    port = parts.port or {"http": 80, "https": 443}.get(parts.scheme.lower())
+    return parts.scheme.lower(), (parts.hostname or "").lower(), port
+
+
+def redirect_headers(headers: Mapping[str, str], here: str, there: str) -> dict[str, str]:
+    """The headers to send on a redirect from `here` to `there`: all of them on the same host
+    (scheme, name and port); none of the credentials (the hub's token, a cookie) elsewhere, a
+    CDN's signed URL or a host that is not the hub's."""
+    if origin(here) == origin(there):
+        return dict(headers)
+    return {k: v for k, v in headers.items() if k.lower() not in CREDENTIAL_HEADERS}
+
+
 def hub_answer(url: str, headers: Mapping[str, str], timeout: float, ca_path: str) -> dict:
     """The hub's answer to one GET, shaped as ansible.builtin.uri registers it (status, msg,
-    content, and the headers as lower-case keys with '_' for '-'); status -1 when none came."""
+    content, and the headers as lower-case keys with '_' for '-'); status -1 when none came.
+    Redirects are followed here, up to MAX_REDIRECTS, with redirect_headers: the token never
+    leaves the host it was meant for."""
 
     def shaped(status: int, headers: Any, body: bytes) -> dict[str, Any]:  # noqa: ANN401
         answer = {k.lower().replace("-", "_"): v for k, v in (headers or {}).items()}
         return {**answer, "status": status, "content": body.decode("utf-8", "replace")}
 
-    try:
-        response = open_url(
-            url,
-            headers=dict(headers),
-            timeout=timeout,
-            ca_path=ca_path or None,
-            follow_redirects="safe",
-        )
-        with response:
-            return shaped(response.status, response.headers, response.read(MAX_ANSWER_BYTES))
-    except HTTPError as err:
-        return {**shaped(err.code, err.headers, err.read(MAX_ANSWER_BYTES)), "msg": str(err)}
-    except (OSError, ValueError, UrlConnectionError) as err:  # unreachable, TLS, a malformed URL
-        return {"status": -1, "msg": f"Request failed: {err}"}
+    here, sent = url, dict(headers)
+    for _ in range(MAX_REDIRECTS + 1):
+        try:
+            with open_url(
+                here,
+                headers=sent,
+                timeout=timeout,
+                ca_path=ca_path or None,
+                follow_redirects="none",
+            ) as response:
+                return shaped(response.status, response.headers, response.read(MAX_ANSWER_BYTES))
+        except HTTPError as err:
+            location = (err.headers or {}).get("Location") if 300 <= err.code < 400 else None
+            if not location:
+                answer = shaped(err.code, err.headers, err.read(MAX_ANSWER_BYTES))
+                return {**answer, "msg": str(err)}
+            there = urljoin(here, location)
+            sent = redirect_headers(sent, here, there)
+            here = there
+        except (OSError, ValueError, UrlConnectionError) as err:  # unreachable, TLS, a bad URL
+            return {"status": -1, "msg": f"Request failed: {err}"}
+    return {"status": -1, "msg": f"Request failed: more than {MAX_REDIRECTS} redirects from {url}"}
 
 
 def parse_config(text: str, request: Mapping[str, Any]) -> dict[str, Any]:
@@ -329,6 +359,7 @@ class ActionModule(ActionBase):
             for key in (
                 "model",
                 "model_path",
+                "run_id",
                 "model_template",
                 "finetuning_type",
                 "lora_target",

@@ -1,5 +1,6 @@
 """Jinja filters that check the inventory and derive the cluster's topology from it: the rules
-are module_utils/inventory.py (inventory_report, cluster_ranks, node_nproc)."""
+are module_utils/inventory.py (inventory_report, cluster_ranks, node_nproc, and
+environment_problems, which the inventory check, the job and the service roles share)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,19 @@ from typing import Any
 from ansible_collections.llama.cluster.plugins.module_utils.inventory import (
     HOST_SETTINGS,
     cluster_ranks,
+    environment_problems,
     inventory_report,
     node_nproc,
 )
 
-__all__ = ["HOST_SETTINGS", "FilterModule", "cluster_ranks", "inventory_report", "node_nproc"]
+__all__ = [
+    "HOST_SETTINGS",
+    "FilterModule",
+    "cluster_ranks",
+    "environment_problems",
+    "inventory_report",
+    "node_nproc",
+]
 
 
 class FilterModule:
@@ -24,4 +33,5 @@ class FilterModule:
             "inventory_report": inventory_report,
             "cluster_ranks": cluster_ranks,
             "node_nproc": node_nproc,
+            "environment_problems": environment_problems,
         }

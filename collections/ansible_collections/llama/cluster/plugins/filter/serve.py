@@ -10,12 +10,15 @@ decisions, each with a unit test in tests/test_serve.py (tracking: plugins/filte
   where the controller reaches it;
 - `serve_api_key_source`: which API key a server requires (the user's, or one generated on
   first use and kept in a 0600 file on the controller), and what to print about it;
+- `export_request`: playbooks/export.yml's -e inputs (run_id, checkpoint, export_dir), which
+  become paths on the master, checked on the controller by the same rules as serve.yml's;
 
 Standard library only; errors are `ServeError` (a filter error in Ansible) naming the fix.
 """
 
 from __future__ import annotations
 
+import posixpath
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -32,6 +35,9 @@ STATES = ("present", "absent")
 CATALOGUE_FILE = "group_vars/all/models.yml"
 SERVE_FILE = "group_vars/all/serve.yml"
 SOURCE_RE = re.compile(r"^(any|[0-9a-fA-F.:]+(/[0-9]{1,3})?)$")
+# A run's id (a directory name under cluster_runs_dir) and a checkpoint's (under its output).
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+CHECKPOINT_RE = re.compile(r"^checkpoint-[0-9]+$")
 
 
 class ServeError(_BaseError):
@@ -114,10 +120,7 @@ def _source_problems(
     source = "dir" if export_dir else "model" if model or model_path else "run"
     if source != "run" and (merged or checkpoint):
         problems.append("-e merged and -e checkpoint pick a run's model: use them with -e run_id")
-    if checkpoint and not re.match(r"^checkpoint-[0-9]+$", checkpoint):
-        problems.append(f"checkpoint={checkpoint!r}: write checkpoint-<step>")
-    if source == "dir" and not export_dir.startswith("/"):
-        problems.append(f"export_dir={export_dir!r}: an absolute path on the serving node")
+    problems += path_problems(run_id, checkpoint, export_dir)
     if source == "dir" and not asked.get("model_template"):
         problems.append(
             "-e export_dir needs -e model_template=<LLaMA-Factory template> (the one the "
@@ -141,6 +144,45 @@ def _source_problems(
         "trust_remote_code": as_flag(asked.get("trust_remote_code")),
     }
     return what, problems
+
+
+def path_problems(run_id: str, checkpoint: str, export_dir: str) -> list[str]:
+    """What is wrong with the -e values that become paths on a node: a run id that is not one
+    directory's name, a checkpoint that is not checkpoint-<step>, an export directory that is
+    not a plain absolute path ('..' would climb out of it, '/' is the whole disk)."""
+    problems = []
+    if run_id and (not RUN_ID_RE.match(run_id) or run_id in (".", "..")):
+        problems.append(
+            f"run_id={run_id!r}: a run's id (letters, digits, '.', '_', '-'), as "
+            "playbooks/status.yml lists them"
+        )
+    if checkpoint and not CHECKPOINT_RE.match(checkpoint):
+        problems.append(f"checkpoint={checkpoint!r}: write checkpoint-<step>")
+    plain = posixpath.normpath(export_dir) == export_dir.rstrip("/") if export_dir else True
+    if export_dir and (
+        not export_dir.startswith("/")
+        or export_dir.rstrip("/") == ""
+        or not plain
+        or export_dir.startswith("//")
+        or any(char in export_dir for char in "\n\r\0")
+    ):
+        problems.append(
+            f"export_dir={export_dir!r}: an absolute path on the node, not /, without '.' or "
+            "'..' parts (e.g. /data/models/my-model)"
+        )
+    return problems
+
+
+def export_request(asked: Mapping[str, Any]) -> dict[str, str]:
+    """playbooks/export.yml's -e run_id, checkpoint and export_dir, checked on the controller
+    before the master is asked anything; one ServeError lists every problem."""
+    what = {key: str(asked.get(key) or "") for key in ("run_id", "checkpoint", "export_dir")}
+    problems = path_problems(what["run_id"], what["checkpoint"], what["export_dir"])
+    if problems:
+        raise ServeError(
+            "Cannot export:\n- " + "\n- ".join(problems) + "\nNothing was changed on any node."
+        )
+    return what
 
 
 def serve_request(
@@ -420,5 +462,6 @@ class FilterModule:
             "service_url_host": service_url_host,
             "service_listen_address": service_listen_address,
             "serve_api_key_source": serve_api_key_source,
+            "export_request": export_request,
             "service_url": url,
         }

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -83,6 +84,8 @@ def _one_of(*choices: str) -> Callable[[object], str]:
 
 
 PORT_RULE = f"a port from {PORT_MIN} to {PORT_MAX}"
+# An environment variable's name as a shell and the job's env file take it.
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Every per-host setting the check reads: its checker and what is allowed, for the message.
 HOST_SETTINGS: dict[str, tuple[Callable[[object], object], str]] = {
     "cluster_accelerator": (_one_of("nvidia", "cpu"), "nvidia or cpu"),
@@ -91,6 +94,7 @@ HOST_SETTINGS: dict[str, tuple[Callable[[object], object], str]] = {
     "gpu_ids": (_gpu_ids, "a non-empty list of distinct GPU indexes >= 0, e.g. [0, 1, 2, 3]"),
     "master_port": (_port(), PORT_RULE),
     "rendezvous_port": (_port(zero_is_none=True), f"0 (none) or {PORT_RULE}"),
+    "watchdog_port": (_port(zero_is_none=True), f"0 (a cluster of one node only) or {PORT_RULE}"),
     "nccl_port_range_start": (_port(), PORT_RULE),
     "nccl_port_range_end": (_port(), PORT_RULE),
     "cluster_address": (
@@ -141,20 +145,7 @@ def _host_settings(host: str, hostvars: Mapping[str, Any]) -> tuple[dict[str, An
             settings[name] = INVALID
             problems.append(_bad(name, host, value))
     valid = {name: value for name, value in settings.items() if value is not INVALID}
-    start, end = valid.get("nccl_port_range_start"), valid.get("nccl_port_range_end")
-    if start is not None and end is not None:
-        if start > end:
-            problems.append(
-                f"nccl_port_range_start of {host} ({start}) is above nccl_port_range_end ({end}):"
-                " the range must run from start to end."
-            )
-        for name in ("master_port", "rendezvous_port"):
-            port = valid.get(name)
-            if port and start <= port <= end:
-                problems.append(
-                    f"{name} of {host} ({port}) is inside the NCCL port range {start}-{end}:"
-                    " move one of them (NCCL's connections would take the port)."
-                )
+    problems += _port_problems(host, valid)
     nproc, gpus = valid.get("nproc_per_node"), valid.get("gpu_ids")
     if nproc is not None and gpus is not None and nproc > len(gpus):
         problems.append(
@@ -162,6 +153,162 @@ def _host_settings(host: str, hostvars: Mapping[str, Any]) -> tuple[dict[str, An
             f"({_show(gpus)}): allowed is at most one process per GPU listed."
         )
     return settings, problems
+
+
+def _port_problems(host: str, valid: Mapping[str, Any]) -> list[str]:
+    """A problem for each pair of the host's ports that collide: the NCCL range against the
+    master's ports, and the job's own ports (master, watchdog, rendezvous) against each other."""
+    problems = []
+    start, end = valid.get("nccl_port_range_start"), valid.get("nccl_port_range_end")
+    if start is not None and end is not None:
+        if start > end:
+            problems.append(
+                f"nccl_port_range_start of {host} ({start}) is above nccl_port_range_end ({end}):"
+                " the range must run from start to end."
+            )
+        for name in ("master_port", "rendezvous_port", "watchdog_port"):
+            port = valid.get(name)
+            if port and start <= port <= end:
+                problems.append(
+                    f"{name} of {host} ({port}) is inside the NCCL port range {start}-{end}:"
+                    " move one of them (NCCL's connections would take the port)."
+                )
+    # The rendezvous may share the master's port (torchrun's c10d store on MASTER_PORT).
+    shareable = {"master_port", "rendezvous_port"}
+    taken: dict[int, str] = {}
+    for name in ("master_port", "watchdog_port", "rendezvous_port"):
+        port = valid.get(name)
+        if not port:
+            continue
+        if port in taken and {taken[port], name} != shareable:
+            problems.append(
+                f"{taken[port]} and {name} of {host} are both {port}: the master listens on "
+                "each for a different purpose, so they must differ (the job would refuse the "
+                "second only once it starts on the master)."
+            )
+        taken.setdefault(port, name)
+    return problems
+
+
+def environment_problems(environment: object, where: str) -> list[str]:
+    """A problem for each way `environment` (a mapping NAME: value: cluster_environment, a job's
+    environment, a service's secrets) cannot be written as an env file's NAME="value" lines: a
+    name that is not [A-Za-z_][A-Za-z0-9_]*, or a value that is not one line of text, a number
+    or a boolean. The messages name the variables, never their values (secrets pass here)."""
+    if environment in (None, ""):
+        return []
+    if not isinstance(environment, Mapping):
+        return [f"{where} is a {type(environment).__name__}: it must be a mapping of NAME: value."]
+    problems = []
+    names = [name for name in environment if not (isinstance(name, str) and ENV_NAME.match(name))]
+    if names:
+        problems.append(
+            f"{where} has names an environment variable cannot have: "
+            f"{', '.join(_show(name, 60) for name in names)} (allowed: letters, digits and '_', "
+            "not starting with a digit)."
+        )
+    for name, value in environment.items():
+        if isinstance(value, Mapping | list | tuple) or value is None:
+            kind = "null" if value is None else f"a {type(value).__name__}"
+            problems.append(
+                f"{where}.{name} is {kind}: a variable's value is text, a number or true/false."
+            )
+        elif any(char in str(value) for char in "\n\r\0"):
+            problems.append(
+                f"{where}.{name} holds a line break (or a NUL): a variable's value is one line, "
+                'which every node\'s env file writes as NAME="value".'
+            )
+    return problems
+
+
+def _address_key(host: str, hostvars: Mapping[str, Any]) -> tuple[str, str] | None:
+    """Where Ansible reaches `host` (its address, port and connection), as a key two entries for
+    one machine share, and in words; None for a host on the controller itself
+    (ansible_connection=local), which has no address of its own to compare (tests simulate
+    several nodes on one controller that way; the facts rule still applies to them)."""
+    connection = _lookup(hostvars, host, "ansible_connection")
+    if connection == "local":
+        return None
+    address = _lookup(hostvars, host, "ansible_host")
+    address = host if address is MISSING or not address else str(address).strip()
+    port = _lookup(hostvars, host, "ansible_port")
+    port = "" if port is MISSING or port in (None, "") else str(port).strip()
+    kind = "" if connection is MISSING or connection in (None, "", "ssh") else str(connection)
+    shown = f"address {address}" + (f" port {port}" if port else "")
+    shown += f" ({kind})" if kind else ""
+    return f"{kind}|{address.lower()}|{port}", shown
+
+
+def _facts_key(host: str, hostvars: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The machine behind `host` as its facts (cached) show it: its machine-id and its addresses
+    together. The machine-id alone is not enough: cloned images share one (the lab's
+    containers all carry the image's), while two addresses of one machine show the same set."""
+    facts = _lookup(hostvars, host, "ansible_facts")
+    facts = facts if isinstance(facts, Mapping) else {}
+    machine = facts.get("machine_id")
+    addresses = sorted(str(a) for a in facts.get("all_ipv4_addresses") or [])
+    if not machine or not addresses:
+        return None
+    return f"{machine}|{','.join(addresses)}", (
+        f"machine-id {machine} and addresses {', '.join(addresses)}"
+    )
+
+
+def _split_gpus(hosts: list[str], settings: Mapping[str, Mapping[str, Any]]) -> bool:
+    """Whether `hosts` split one machine's GPUs between them: each sets gpu_ids, and no GPU is
+    given to two of them (logical nodes of one machine, as bench/gpu's inventory has)."""
+    given = [settings[host].get("gpu_ids") for host in hosts]
+    if any(not isinstance(ids, list) for ids in given):
+        return False
+    every = [gpu for ids in given for gpu in ids]
+    return len(every) == len(set(every))
+
+
+def _machine_problems(
+    nodes: list[str],
+    hostvars: Mapping[str, Any],
+    settings: Mapping[str, Mapping[str, Any]],
+    compare_facts: bool,
+) -> list[str]:
+    """A problem for each group of hosts that are one machine: the same address and port, the
+    same cluster_address, or (compare_facts) facts with the same machine-id and addresses. Every
+    rank of each would train on that machine, counted twice, on the same GPUs (or CPUs); unless
+    they split its GPUs between them (disjoint gpu_ids: logical nodes of one machine)."""
+    problems = []
+
+    def cluster_address(host: str) -> tuple[str, str] | None:
+        if _lookup(hostvars, host, "ansible_connection") == "local":
+            return None  # as _address_key: simulated nodes on the controller share its address
+        value = _lookup(hostvars, host, "cluster_address")
+        try:
+            address = _ip(value) if value is not MISSING else None
+        except ValueError:
+            return None
+        return (address, f"cluster_address {address}") if address else None
+
+    rules = [
+        ("are reached at", lambda host: _address_key(host, hostvars)),
+        ("have", cluster_address),
+    ]
+    if compare_facts:
+        rules.append(("have, in their facts,", lambda host: _facts_key(host, hostvars)))
+    for verb, key_of in rules:
+        by_key: dict[str, list[str]] = {}
+        shown: dict[str, str] = {}
+        for host in nodes:
+            found = key_of(host)
+            if found:
+                by_key.setdefault(found[0], []).append(host)
+                shown[found[0]] = found[1]
+        problems += [
+            f"{' and '.join(hosts)} are one machine: they {verb} the same "
+            f"{shown[key]}. Every rank of each would train on it, on the same devices, and the "
+            "run would count it twice: list each machine once (or give each host its own "
+            "address; to split one machine's GPUs between hosts, give each its own gpu_ids)."
+            for key, hosts in by_key.items()
+            if len(hosts) > 1 and not _split_gpus(hosts, settings)
+        ]
+    return problems
 
 
 # ---- the groups ------------------------------------------------------------------------------
@@ -304,10 +451,13 @@ def inventory_report(
     groups: Mapping[str, list[str]],
     hostvars: Mapping[str, Any],
     uniform: list[str] | None = None,
+    compare_facts: bool = False,
 ) -> dict[str, Any]:
     """Check the inventory: its groups, the settings in `uniform` that every node must share,
-    and every node's numbers (HOST_SETTINGS). Returns the nodes, the problems (empty when the
-    inventory is fine) and a message that lists them with what was expected and found."""
+    every node's numbers (HOST_SETTINGS) and environment, and hosts that are one machine (by
+    their facts too with `compare_facts`: only facts just read, as train.yml's node play does; a
+    cached fact may predate a fix of the inventory). Returns the nodes, the problems (empty when
+    the inventory is fine) and a message that lists them with what was expected and found."""
     problems = _group_problems(groups)
     nodes = cluster_nodes(groups)
     # Ansible computes a host's variables on every hostvars[host]: once per node is enough.
@@ -322,6 +472,18 @@ def inventory_report(
         workers = [h for h in groups.get("workers") or [] if h not in masters]
         problems += _rank_problems(masters, workers, explicit)
     problems += _agreement_problems(nodes, hostvars, list(uniform or []))
+    problems += _machine_problems(nodes, hostvars, settings, compare_facts)
+    watchless = [h for h in nodes if settings[h].get("watchdog_port") == 0]
+    if watchless and len(nodes) > 1:
+        problems.append(
+            f"watchdog_port is 0 on {', '.join(watchless)}, but the cluster has {len(nodes)} "
+            "nodes: their agents keep their heartbeats with the master's on that port (0 is for "
+            "a cluster of one node). Set a free port (default 29499)."
+        )
+    for host in nodes:
+        environment = _lookup(hostvars, host, "cluster_environment")
+        if environment is not MISSING:
+            problems += environment_problems(environment, f"cluster_environment of {host}")
     found = _found(groups)
     return {
         "nodes": nodes,

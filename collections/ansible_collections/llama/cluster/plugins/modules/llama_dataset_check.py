@@ -611,10 +611,11 @@ def read_records(
     stream.close()
     if not first:
         raise DatasetFileError("is empty: it holds no records")
-    shown = head[:20].decode("utf-8", "replace")
+    # Nothing of the file is quoted: a path given as a dataset may be any file the controller
+    # can read (a link to /etc/shadow), and only a dataset's own records are shown.
     raise DatasetFileError(
         "is neither a JSON list of records ([{...}, ...]) nor JSON Lines (one {...} record "
-        f"per line): it starts with {shown!r}"
+        "per line): its first character is neither '[' nor '{'"
     )
 
 

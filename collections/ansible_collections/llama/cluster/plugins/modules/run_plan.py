@@ -103,8 +103,16 @@ options:
         planned in the same second as another gets the next free second's id. Not in check mode.
     type: bool
     default: false
+  run_id:
+    description:
+      - -e run_id as given. A new run's id is made by the plan, so a run id given is refused,
+        naming -e resume=true (which continues the run it names) instead of being replaced.
+    type: str
+    default: ""
   model_template:
-    description: Override of the model's chat template.
+    description:
+      - Override of the model's chat template, one of LLaMA-Factory's
+        (module_utils/planner/llamafactory_names.json).
     type: str
     default: ""
   finetuning_type:
@@ -147,7 +155,12 @@ options:
     type: str
     default: ""
   train_args:
-    description: LLaMA-Factory training arguments (a mapping) that win over every default.
+    description:
+      - LLaMA-Factory training arguments (a mapping) that win over every default. Each key must
+        be one of LLaMA-Factory's argument names (module_utils/planner/llamafactory_names.json),
+        and not one that the plan sets (output_dir, model_name_or_path, template, dataset and
+        the others of PLAN_OWNED in module_utils/planner/schema.py, which names the way to set
+        each).
     type: raw
     default: {}
   tokens_per_step:

@@ -14,11 +14,14 @@ from .cost import Link
 from .decisions import (
     Batch,
     BatchRequest,
+    check_cpu_batch,
+    check_dataset_batch,
     choose_batch,
     choose_compile,
     choose_fp8,
     choose_stage,
     estimate_steps,
+    largest_micro,
 )
 from .disk import disk_estimate
 from .errors import TRAINING_FILE, PlanError
@@ -206,18 +209,35 @@ def _stage_and_profile(
 
 
 def _refuse_unfitting(search: Search, memory: Memory, stage: str, numerics: str) -> None:
-    """A stage asked for that fits with none of its techniques: what each would need."""
+    """A stage asked for that fits with none of its techniques: what each would need, and the
+    largest micro-batch that would fit where the one set does not."""
     ask = search.asks[stage]
+    rows = int(ask.micro or 1)
     tried = (search.tries or {}).get(stage) or (PLAIN,)
     needs = []
     for technique in tried:
         variant = replace(memory, technique=technique)
-        need = variant.need(stage, ask.cutoff, checkpointing=True)
+        need = variant.need(stage, rows * ask.cutoff, checkpointing=True)
         needs.append(f"{technique.label() or 'plain'}: {gib_text(need)}")
+    largest = max(
+        largest_micro(
+            lambda m, t=technique: replace(memory, technique=t).fits(stage, m * ask.cutoff, True),
+            rows,
+        )
+        for technique in tried
+    )
+    what = "one checkpointed row" if rows == 1 else f"a micro-batch of {rows} checkpointed rows"
     raise PlanError(
-        f"The run does not fit the GPUs with deepspeed={stage}: one checkpointed row of "
+        f"The run does not fit the GPUs with deepspeed={stage}: {what} of "
         f"{ask.cutoff} tokens needs, per GPU, " + "; ".join(needs) + f" (the budget is "
-        f"{gib_text(memory.budget)}). Use deepspeed=auto, a smaller cutoff_len, more GPUs"
+        f"{gib_text(memory.budget)}). "
+        + (
+            f"The largest micro-batch that fits is {largest}: "
+            f'-e \'{{"train_args": {{"per_device_train_batch_size": {largest}}}}}\'. Or use '
+            if largest
+            else "Use "
+        )
+        + "deepspeed=auto, a smaller cutoff_len, more GPUs"
         + (", or -e numerics=measured (8-bit AdamW)" if numerics == "exact" else "")
         + ". Nothing was changed on any node."
     )
@@ -470,6 +490,20 @@ def assemble(
         args = {**args, **fp8_args}
     micro = int(args.get("per_device_train_batch_size", 1))
     accumulation = int(args.get("gradient_accumulation_steps", 1))
+    if accelerator == "cpu":
+        check_cpu_batch(
+            _cpu_memory(memory, nodes, data),
+            micro,
+            int(model["cutoff_len"]),
+            checkpointing=not args.get("disable_gradient_checkpointing", False),
+        )
+    check_dataset_batch(
+        micro=micro,
+        accumulation=accumulation,
+        world=world,
+        records=_records(request, args, datasets),
+        packing=bool(args.get("packing", False)),
+    )
     tokens = micro * accumulation * int(model["cutoff_len"])
     result = {
         "run_id": request.get("resume_id")
@@ -544,3 +578,26 @@ def assemble(
     }
     result["summary"] = summary(result, smallest, smallest_host, performance_lines)
     return result
+
+
+def _cpu_memory(memory: Memory, nodes: Sequence[Mapping[str, Any]], data: Settings) -> Memory:
+    """The memory model of a CPU run: the budget of each process is its share of the smallest
+    node's usable RAM (None where no node's memory is known)."""
+    smallest = _smallest(nodes, "host_memory_gib")
+    if smallest is None:
+        return memory
+    usable = smallest["host_memory_gib"] * GIB * float(data.memory["host_usable_fraction"])
+    return replace(memory, budget=usable / max(1, memory.nproc))
+
+
+def _records(
+    request: Mapping[str, Any], args: Mapping[str, Any], datasets: Sequence[Mapping[str, Any]]
+) -> int | None:
+    """The records the run trains on (the datasets' valid records, at most max_samples from each
+    as LLaMA-Factory reads it), or None where they are not known."""
+    records = request.get("dataset_records")
+    if records is None:
+        return None
+    if args.get("max_samples"):
+        records = min(int(records), int(args["max_samples"]) * max(1, len(datasets)))
+    return int(records)

@@ -1,6 +1,7 @@
 """The decisions the memory model and the run length make: the DeepSpeed stage, the micro-batch
 and accumulation, torch.compile and FP8 (`choose_stage`, `choose_batch`, `choose_compile`,
-`choose_fp8`).
+`choose_fp8`); and the batches refused with the largest that fits (`largest_micro`,
+`check_cpu_batch`, `check_dataset_batch`).
 """
 
 from __future__ import annotations
@@ -176,11 +177,90 @@ def batch_options(memory: Memory, stage: str, ask: BatchRequest) -> list[Batch]:
     if fitting:
         return fitting
     micro = candidates[-1][0]
+    checkpointing = options[-1]
     raise PlanError(
         f"The run does not fit the GPUs: deepspeed={stage} with a micro-batch of {micro} x "
-        f"{ask.cutoff} tokens needs about {gib_text(memory.need(stage, micro * ask.cutoff, True))} "
-        f"per GPU even with gradient checkpointing, and the budget is {gib_text(memory.budget)}. "
-        "Use deepspeed=auto, a smaller per_device_train_batch_size or cutoff_len, or more GPUs."
+        f"{ask.cutoff} tokens needs about "
+        f"{gib_text(memory.need(stage, micro * ask.cutoff, checkpointing))} per GPU "
+        f"{'even with' if checkpointing else 'without'} gradient checkpointing, and the budget is "
+        f"{gib_text(memory.budget)}. "
+        + _largest_text(memory, stage, micro, ask.cutoff, checkpointing)
+        + " Or use deepspeed=auto, a smaller cutoff_len, or more GPUs."
+    )
+
+
+def largest_micro(fits: Callable[[int], bool], below: int) -> int:
+    """The largest micro-batch under `below` that `fits` (0 when not even 1 does); `fits` grows
+    false with the micro-batch, so a binary search finds it."""
+    low, high = 0, below - 1  # fits(low) holds (0 stands for none); the answer is in [low, high]
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def _largest_text(memory: Memory, stage: str, micro: int, cutoff: int, ckpt: bool) -> str:
+    """The sentence naming the largest micro-batch that fits where `micro` does not."""
+    largest = largest_micro(lambda m: memory.fits(stage, m * cutoff, ckpt), micro)
+    if largest:
+        return (
+            f"The largest micro-batch that fits is {largest}: "
+            f'-e \'{{"train_args": {{"per_device_train_batch_size": {largest}}}}}\'.'
+        )
+    return f"Not even a micro-batch of 1 row of {cutoff} tokens fits."
+
+
+def check_cpu_batch(memory: Memory, micro: int, cutoff: int, checkpointing: bool) -> None:
+    """PlanError, naming the largest micro-batch that fits, where a CPU run's micro-batch does
+    not fit the host memory each process may use (`memory.budget`: the smallest node's usable
+    RAM divided among its processes; the activations as the memory model counts them on a GPU,
+    a lower bound for a CPU's fp32). Nothing to check without a budget or a model shape."""
+    if memory.budget is None or memory.shape is None:
+        return
+    if memory.fits("none", micro * cutoff, checkpointing):
+        return
+    need = memory.need("none", micro * cutoff, checkpointing)
+    raise PlanError(
+        f"The run does not fit the nodes' memory: a micro-batch of {micro} x {cutoff} tokens "
+        f"needs about {gib_text(need)} per process, and each of the {memory.nproc} process(es) "
+        f"of the smallest node may use {gib_text(memory.budget)}. "
+        + _largest_text(memory, "none", micro, cutoff, checkpointing)
+        + " Or a smaller cutoff_len."
+    )
+
+
+def check_dataset_batch(
+    *, micro: int, accumulation: int, world: int, records: int | None, packing: bool
+) -> None:
+    """PlanError, naming the largest batch that fits, where one optimizer step asks for more
+    records than the dataset holds (each of the `world` processes takes `micro` rows per
+    micro-step, `accumulation` micro-steps per step; with packing a row holds at least one
+    record, so rows beyond the records are always too many). Nothing to check where the
+    records are not known."""
+    if records is None or micro * accumulation * world <= records:
+        return
+    what = "rows (packed)" if packing else "records"
+    asked = (
+        f"The effective batch is {micro * accumulation * world} {what} per optimizer step "
+        f"(per_device_train_batch_size {micro} x gradient_accumulation_steps {accumulation} x "
+        f"{world} processes), more than the dataset's {records} records"
+    )
+    if records < world:
+        raise PlanError(
+            f"{asked}: fewer records than processes, so some would train on nothing. Use a "
+            "larger dataset (-e dataset=..., -e dataset_file=...) or fewer nodes."
+        )
+    fit_micro = records // (accumulation * world)
+    fit_micro, fit_accumulation = (fit_micro, accumulation) if fit_micro else (1, records // world)
+    raise PlanError(
+        f"{asked}. The largest that fits is per_device_train_batch_size={fit_micro} with "
+        f"gradient_accumulation_steps={fit_accumulation} (effective batch "
+        f'{fit_micro * fit_accumulation * world}): -e \'{{"train_args": '
+        f'{{"per_device_train_batch_size": {fit_micro}, "gradient_accumulation_steps": '
+        f"{fit_accumulation}}}}}'. Or a larger dataset."
     )
 
 

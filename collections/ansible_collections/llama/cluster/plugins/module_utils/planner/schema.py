@@ -1,13 +1,21 @@
-"""The numbers a user can give: one schema for LLaMA-Factory's training arguments and the
-run's own inputs, and one message listing every bad value (`check_request`).
+"""What a user can give: one schema for LLaMA-Factory's training arguments and the run's own
+inputs, and one message listing every bad value (`check_request`).
+
+The names LLaMA-Factory accepts (its training arguments, its chat templates) are its own,
+generated from the pinned release into llamafactory_names.json by scripts/llamafactory-names.py:
+an unknown train_args key or model_template is refused here, naming the closest names, instead
+of stopping every rank after the run directories were written.
 """
 
 from __future__ import annotations
 
+import difflib
+import functools
 import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .errors import CATALOGUE_FILE, TRAINING_FILE, PlanError
@@ -148,8 +156,51 @@ AT_LEAST_1 = Number(integer=True, low=1)
 AT_LEAST_0 = Number(integer=True, low=0)
 FRACTION = Number(integer=False, low=0, high=1, high_open=True)
 
-# LLaMA-Factory training arguments (train_args) that are numbers or flags. Keys not listed pass
-# through to LLaMA-Factory unchecked, which validates them itself when the run starts.
+# LLaMA-Factory 0.9.5's own names (scripts/llamafactory-names.py writes the file).
+NAMES_FILE = Path(__file__).with_name("llamafactory_names.json")
+NAMES_SHOWN = "llama.cluster/plugins/module_utils/planner/llamafactory_names.json"
+
+
+@functools.cache
+def llamafactory_names() -> dict[str, Any]:
+    """LLaMA-Factory's version, training argument names and template names (the pinned
+    release's, as scripts/llamafactory-names.py read them)."""
+    data = json.loads(NAMES_FILE.read_text(encoding="utf-8"))
+    return {
+        "version": str(data["llamafactory"]),
+        "train_args": frozenset(data["train_args"]),
+        "templates": frozenset(data["templates"]),
+    }
+
+
+def closest(word: str, names: frozenset[str]) -> str:
+    """The names closest to `word` in words ("closest: a, b"), or "" when none is close."""
+    near = difflib.get_close_matches(word, sorted(names), n=3, cutoff=0.6)
+    return f" (closest: {', '.join(near)})" if near else ""
+
+
+# train_args keys the plan sets itself, each with the way to ask for what it holds: a value
+# given in train_args would be replaced without a word.
+PLAN_OWNED = {
+    "model_name_or_path": "ask for the model with -e model_path=<hub id or directory>",
+    "template": "ask for the template with -e model_template=<template>",
+    "finetuning_type": "ask with -e finetuning_type=lora|freeze|full",
+    "lora_target": "ask with -e lora_target=<modules>",
+    "dataset": "ask with -e dataset=<names> or -e dataset_file=<path>",
+    "dataset_dir": "the run's data is copied into its run directory; -e dataset_file=<path>",
+    "output_dir": (
+        "every run writes to <cluster_runs_dir>/<run id>/output on every node, and its logs "
+        "come back to runs/<run id>/ on the controller"
+    ),
+    "do_train": "train.yml always trains",
+    "deepspeed": "ask with -e deepspeed=<stage>",
+    "fsdp": "ask with -e deepspeed=fsdp",
+    "fsdp_config": "ask with -e deepspeed=fsdp",
+    "tokenized_path": "training_pretokenize in group_vars/all/training.yml decides it",
+}
+
+# LLaMA-Factory training arguments (train_args) that are numbers or flags. Other known names
+# pass through to LLaMA-Factory, which validates their values itself when the run starts.
 TRAIN_ARGS_SCHEMA: dict[str, Number | Flag | Choice] = {
     "learning_rate": POSITIVE,
     "num_train_epochs": POSITIVE,
@@ -244,11 +295,28 @@ def show(value: Any) -> str:  # noqa: ANN401 - any user value
     return str(value)
 
 
+def _key_problem(key: object, where: str) -> str | None:
+    """What is wrong with a train_args key: not a name, or not one of LLaMA-Factory's."""
+    names = llamafactory_names()
+    if not isinstance(key, str) or not key.isidentifier():
+        return (
+            f"{where} key {show(key)} is not an argument name (letters, digits and '_', not "
+            "starting with a digit): each key becomes a line of train.yaml"
+        )
+    if key not in names["train_args"]:
+        return (
+            f"{where}.{key} is not an argument of LLaMA-Factory {names['version']}"
+            f"{closest(key, names['train_args'])}; every name it takes: {NAMES_SHOWN}"
+        )
+    return None
+
+
 def check_train_args(
     train_args: Any,  # noqa: ANN401 - user data
     where: str = "train_args",
 ) -> tuple[dict[str, Any], list[str]]:
-    """train_args with its numbers and flags coerced, and a problem for each bad one."""
+    """train_args with its numbers and flags coerced, and a problem for each bad one (a key that
+    is not one of LLaMA-Factory's argument names included)."""
     if not isinstance(train_args, Mapping):
         return {}, [
             "train_args must be a mapping of LLaMA-Factory arguments, e.g. "
@@ -256,6 +324,10 @@ def check_train_args(
         ]
     checked, problems = {}, []
     for key, value in train_args.items():
+        bad_key = _key_problem(key, where)
+        if bad_key:
+            problems.append(bad_key)
+            continue
         spec = TRAIN_ARGS_SCHEMA.get(str(key))
         if spec is None:
             checked[str(key)] = value
@@ -277,11 +349,37 @@ def check_project_settings(settings: Settings, model: Mapping[str, Any]) -> None
         for rule in settings.rules
     ]
     problems = [bad for where, args in sources for bad in check_train_args(args, where)[1]]
+    template = str(model.get("template") or "")
+    if template:
+        problems += _template_problems(template, f"the template of the model ({CATALOGUE_FILE})")
     if problems:
         raise PlanError(
             "The project's settings hold values LLaMA-Factory would refuse:\n- "
             + "\n- ".join(problems)
         )
+
+
+def _template_problems(template: str, where: str) -> list[str]:
+    """A problem when `template` is not one of LLaMA-Factory's chat templates."""
+    names = llamafactory_names()
+    if template in names["templates"]:
+        return []
+    return [
+        f"{where} = {show(template)} is not a template of LLaMA-Factory {names['version']}"
+        f"{closest(template, names['templates'])}; every template it has: {NAMES_SHOWN}"
+    ]
+
+
+def _owned_problems(train_args: object) -> list[str]:
+    """A problem for each train_args key that the plan sets itself (PLAN_OWNED)."""
+    if not isinstance(train_args, Mapping):
+        return []
+    return [
+        f"train_args.{key} is set by the plan, which would replace it: leave it out "
+        f"({PLAN_OWNED[key]})"
+        for key in train_args
+        if key in PLAN_OWNED
+    ]
 
 
 def check_request(
@@ -309,6 +407,16 @@ def check_request(
         problems.append(
             f"finetuning_type = {show(finetuning)} (must be one of {', '.join(FINETUNING_TYPES)})"
         )
+    if request.get("run_id"):
+        problems.append(
+            f"run_id = {show(request['run_id'])} names a run to continue (-e resume=true -e "
+            "run_id=<id>); a new run's id is made by the plan (train-<UTC time>-<model>) and "
+            "printed: leave run_id out"
+        )
+    template = str(request.get("model_template") or "")
+    if template:
+        problems += _template_problems(template, "model_template")
+    problems += _owned_problems(request.get("train_args", {}))
     out["train_args"], bad_args = check_train_args(request.get("train_args", {}))
     problems += bad_args
     for key, (spec, where, default) in RUN_SCHEMA.items():
