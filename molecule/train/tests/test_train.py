@@ -447,10 +447,11 @@ def test_killing_rank0_stops_every_rank_and_names_it() -> None:
 
 
 def test_a_rank_the_kernel_kills_for_host_memory_is_named_with_the_node_s_real_limit() -> None:
-    """The worker's container limited to HOST_LIMIT_MIB (docker update): the kernel's OOM killer
-    ends a process of the job as it starts (the largest: the launcher or the rank), and the play
-    says so with the container's limit, not the 23.5 GiB of the machine the container runs on.
-    No pretokenize step here: it would meet the limit first."""
+    """The worker's container limited to HOST_LIMIT_MIB (docker update): the plan refuses the
+    run, naming the worker and what its cgroup leaves; planned for more anyway (host_memory_gib),
+    the kernel's OOM killer ends a process of the job as it starts (the largest: the launcher or
+    the rank), and the play says so with the container's limit, not the 23.5 GiB of the machine
+    the container runs on. No pretokenize step here: it would meet the limit first."""
     limit = f"{HOST_LIMIT_MIB}m"
     subprocess.run(
         ["docker", "update", "--memory", limit, "--memory-swap", limit, WORKER],
@@ -459,13 +460,25 @@ def test_a_rank_the_kernel_kills_for_host_memory_is_named_with_the_node_s_real_l
     )
     started = time.monotonic()
     try:
-        done = _playbook("train.yml", "-e", "model=tiny", "-e", "training_pretokenize=false")
+        # The plan reads the limit less what the container uses (llama_node_usage) and refuses
+        # the run before any node changes (issue 38)...
+        refused = _playbook("train.yml", "-e", "model=tiny", "-e", "training_pretokenize=false")
+        # ...unless host_memory_gib says to plan for more: then the kernel has the last word.
+        done = _playbook(
+            "train.yml", "-e", "model=tiny", "-e", "training_pretokenize=false",
+            "-e", "host_memory_gib=32",
+        )  # fmt: skip
     finally:
         subprocess.run(
             ["docker", "update", "--memory", "32g", "--memory-swap", "32g", WORKER],
             check=True,
             capture_output=True,
         )
+    told = _said(refused.stdout)
+    assert refused.returncode != 0
+    assert "The run does not fit the nodes' memory" in told, told[-3000:]
+    assert f"{WORKER} (available now (the cgroup's limit less its usage" in told, told[-3000:]
+    assert "Train | Prepare every node" not in told
     said = _assert_failure_reported(done, WORKER, _run_id(done.stdout))
     found = re.search(
         rf"the kernel killed (rank 1|pid \d+ \([^)]*\)|a process of the job) on {WORKER} for host "

@@ -245,7 +245,11 @@ def _refuse_unfitting(search: Search, memory: Memory, stage: str, numerics: str)
 
 def _cpu_memory_refusal(memory: Memory, node: Mapping[str, Any] | None) -> str:
     """Why a CPU run does not fit the node with the least memory, and the ways out."""
-    where = f"{node['host']} ({node['host_memory_source']})" if node else "the smallest node"
+    where = (
+        f"{node['host']} ({node.get('host_memory_source', 'as given')})"
+        if node
+        else "the smallest node"
+    )
     return (
         f"The run does not fit the nodes' memory: its {memory.nproc} training processes per node "
         f"need about {gib_text(memory.host_need('none'))} (fp32 weights, gradients and AdamW "

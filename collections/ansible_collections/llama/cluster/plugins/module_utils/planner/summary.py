@@ -67,7 +67,8 @@ def summary(
     if smallest is not None or smallest_host is not None:
         lines.append(
             f"Host memory planned for: {plan['host_memory_gib']} GiB per node (smallest node: "
-            f"{smallest_host['host']}, {smallest_host['host_memory_source']}); budget "
+            f"{smallest_host['host']}, {smallest_host.get('host_memory_source', 'as given')}); "
+            f"budget "
             f"{plan['host_budget_gib']} GiB, estimated need {plan['host_estimate_gib']} GiB"
             if smallest_host is not None
             else "Host memory: not known (facts from before host memory was recorded: run "
