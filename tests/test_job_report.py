@@ -807,3 +807,55 @@ def test_no_note_once_the_run_has_ended_or_when_the_play_is_not_interrupted(tmp_
     rc, out, err = _interrupted(tmp_path, cleared=False, sleep=0)
     assert rc == 0, out[-2000:]
     assert "goes on on every node" not in out + err
+
+
+# status.yml finds the run (tasks/find_run.yml registers `__runs_found`), then works out what it
+# came to (tasks/ended_run.yml): a registered variable wins over a task's vars, so a name the two
+# shared fed find's result to job_run_summary on the lab ("'bool' object is not iterable").
+ENDED_INVENTORY = """
+all:
+  children:
+    cluster:
+      children:
+        master: {hosts: {node1: {ansible_connection: local, ansible_python_interpreter: %(py)s}}}
+        workers: {hosts: {node2: {ansible_connection: local, ansible_python_interpreter: %(py)s}}}
+"""
+ENDED_PLAYBOOK = """
+- name: Ended
+  hosts: cluster
+  gather_facts: false
+  vars:
+    run_dir: %(run)s
+    run_sharded: false
+    job_status: {job: r, phase: failed, resumable: true, nodes: {}}
+  tasks:
+    - name: Ended | Find the run, as find_run.yml does
+      ansible.builtin.find:
+        paths: %(runs)s
+        file_type: directory
+      register: __runs_found
+    - name: Ended | Work out what it came to
+      ansible.builtin.include_tasks: %(root)s/playbooks/tasks/ended_run.yml
+    - name: Ended | Say it
+      ansible.builtin.debug:
+        msg: "RESUME {{ job_status.summary.resume.checkpoint }}"
+      run_once: true
+"""
+
+
+def test_status_after_find_run_works_out_the_checkpoint_every_node_holds(tmp_path: Path):
+    run = tmp_path / "runs" / "r"
+    for step in (2, 4):
+        (run / "output" / f"checkpoint-{step}").mkdir(parents=True)
+        (run / "output" / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    (tmp_path / "hosts.yml").write_text(ENDED_INVENTORY % {"py": sys.executable})
+    playbook = tmp_path / "ended.yml"
+    playbook.write_text(ENDED_PLAYBOOK % {"run": run, "runs": tmp_path / "runs", "root": ROOT})
+    done = subprocess.run(
+        [str(Path(sys.executable).with_name("ansible-playbook")), "-i",
+         str(tmp_path / "hosts.yml"), str(playbook)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "ANSIBLE_NOCOLOR": "1"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "RESUME checkpoint-4" in done.stdout
