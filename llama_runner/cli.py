@@ -331,27 +331,49 @@ def _report_result(console: Console, result: RunResult, *, as_json: bool) -> Non
 # Commands
 # --------------------------------------------------------------------------------------------
 def _parse_assignments(pairs: Iterable[str]) -> dict[str, Any]:
-    """KEY=VALUE pairs as extra variables; values are YAML (numbers, booleans, lists).
+    """KEY=VALUE pairs (values are YAML: numbers, booleans, lists) and mappings as extra variables.
 
     A secret (a name or key that holds_secret recognises) is refused: this command's own argv is
     in every user's process list and in the shell's history.
     """
     values: dict[str, Any] = {}
     for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key.isidentifier():
-            raise InvalidInput(f"expected KEY=VALUE, got {pair!r}")
-        value = yaml.safe_load(raw) if raw else ""
-        if holds_secret(key, value):
-            raise InvalidInput(
-                f"-e {key}=... would put a secret on this command's own command line, which every "
-                "user of this machine sees in the process list (and your shell keeps in its "
-                f"history). Pass it another way: --secret {key} (asked without echo, or read from "
-                f"stdin), --secrets-file FILE (YAML, {key}: ...), or the environment "
-                "(HF_TOKEN, WANDB_API_KEY, LLAMA_SERVE_API_KEY: read by the project's defaults)."
-            )
-        values[key] = value
+        for key, value in _assignments(pair):
+            _refuse_secret(key, value)
+            values[key] = value
     return values
+
+
+def _assignments(pair: str) -> list[tuple[str, Any]]:
+    """One -e: KEY=VALUE, or a YAML/JSON mapping as ansible-playbook's -e '{"key": value}'."""
+    if pair.lstrip().startswith("{"):
+        try:
+            loaded = yaml.safe_load(pair)
+        except yaml.YAMLError as err:
+            raise InvalidInput(f"-e {pair!r} is not a YAML or JSON mapping: {err}") from None
+        if not isinstance(loaded, dict) or not all(
+            isinstance(k, str) and k.isidentifier() for k in loaded
+        ):
+            raise InvalidInput(f"-e {pair!r}: expected a mapping of variable names to values")
+        return list(loaded.items())
+    key, sep, raw = pair.partition("=")
+    if not sep or not key.isidentifier():
+        raise InvalidInput(
+            f"expected KEY=VALUE or a mapping such as '{{\"key\": 1}}', got {pair!r}"
+        )
+    return [(key, yaml.safe_load(raw) if raw else "")]
+
+
+def _refuse_secret(key: str, value: object) -> None:
+    """A secret on this command's own argv is refused, naming the ways that keep it off it."""
+    if holds_secret(key, value):
+        raise InvalidInput(
+            f"-e {key}=... would put a secret on this command's own command line, which every "
+            "user of this machine sees in the process list (and your shell keeps in its "
+            f"history). Pass it another way: --secret {key} (asked without echo, or read from "
+            f"stdin), --secrets-file FILE (YAML, {key}: ...), or the environment "
+            "(HF_TOKEN, WANDB_API_KEY, LLAMA_SERVE_API_KEY: read by the project's defaults)."
+        )
 
 
 def _read_secrets(names: Iterable[str], files: Iterable[str]) -> dict[str, Any]:
@@ -400,7 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="an extra variable (repeatable; the value is YAML; no secrets: see --secret)",
+        help="an extra variable (repeatable; the value is YAML; or a mapping as ansible-playbook's "
+        "-e '{\"train_args\": {...}}'; no secrets: see --secret)",
     )
     extra.add_argument(
         "--secret",

@@ -899,12 +899,18 @@ def test_lab_cli_train_shows_progress_and_exits_0_then_2(provisioned: Cluster):
     assert "no-such-model" in bad.stdout
 
 
+LONG_TINY_RUN = {
+    "train_args": {"num_train_epochs": 2000, "save_steps": 100000},
+    "job_report_every": 2,
+}
+
+
 def _interrupted_at_the_first_step(argv: list[str], progress: str) -> tuple[int, str]:
     """Train the tiny model for long with `argv`, press Ctrl-C at the first progress line (one
-    every 2 s; `progress` finds it); the exit status and the whole output."""
+    every 2 s; `progress` finds it); the exit status and the whole output. The run's settings go
+    as one JSON -e, which ansible-playbook and train_runner.py both read as data."""
     proc = subprocess.Popen(
-        [*argv, "-e", "train_args={num_train_epochs: 2000, save_steps: 100000}",
-         "-e", "job_report_every=2"],
+        [*argv, "-e", json.dumps(LONG_TINY_RUN)],
         cwd=PROJECT_DIR, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "ANSIBLE_NOCOLOR": "1"},
     )  # fmt: skip

@@ -24,6 +24,7 @@ from ansible_collections.llama.cluster.plugins.lookup.secret_env import secret_e
 
 from llama_runner import Cluster, InvalidInput
 from llama_runner.api import PROJECT_DIR
+from llama_runner.cli import _parse_assignments
 from llama_runner.errors import EXIT_INVALID_INPUT
 from llama_runner.secrets import (
     ENV_VARIABLE,
@@ -291,6 +292,23 @@ def test_cli_refuses_a_secret_in_its_own_argv_naming_the_ways_that_work(tmp_path
     # A mapping with a secret key inside is refused as well.
     code, out, _ = _cli("run", "x.yml", "-e", "tracking_secrets={WANDB_API_KEY: k}")
     assert code == EXIT_INVALID_INPUT
+    # So is one inside ansible-playbook's mapping form of -e.
+    code, out, _ = _cli("run", "x.yml", "-e", '{"hf_token": "abc", "model": "tiny"}')
+    assert code == EXIT_INVALID_INPUT
+    assert "-e hf_token=... would put a secret" in " ".join(out.split())
+
+
+def test_cli_reads_e_as_key_value_or_as_ansible_playbook_s_mapping() -> None:
+    assert _parse_assignments(
+        ["model=tiny", '{"train_args": {"num_train_epochs": 2}, "steps": 5}', "{deepspeed: none}"]
+    ) == {"model": "tiny", "train_args": {"num_train_epochs": 2}, "steps": 5, "deepspeed": "none"}
+    for bad, said in [
+        ("{train_args: [1", "is not a YAML or JSON mapping"),
+        ('{"1x": 2}', "expected a mapping of variable names"),
+        ("model", "expected KEY=VALUE or a mapping"),
+    ]:
+        with pytest.raises(InvalidInput, match=said):
+            _parse_assignments([bad])
 
 
 def test_cli_takes_secrets_from_stdin_a_file_and_the_environment_never_from_argv(
