@@ -769,8 +769,11 @@ def test_lab_provision_reports_every_node(provisioned: Cluster):
 def test_lab_scaling_trains_the_plan_on_every_node_then_on_the_master_alone(
     provisioned: Cluster,
     lab_hosts: list[str],
+    lab_ranks: dict[str, list[int]],
 ):
     nodes = len(lab_hosts)
+    world = sum(len(r) for r in lab_ranks.values())  # the lab runs two processes per node
+    master = len(lab_ranks[lab_hosts[0]])
     events: list[dict] = []
     progress: list[train_runner.TrainProgress] = []
     # Two watched runs through train(): a progress line every 2 s reaches both callbacks.
@@ -789,8 +792,9 @@ def test_lab_scaling_trains_the_plan_on_every_node_then_on_the_master_alone(
         assert summary.controller_dir.is_dir()
         assert summary.controller_dir.name == summary.run_id
         assert summary.loss_plot is None or summary.loss_plot.is_file()
-    assert (scaling.every.nodes, every.nnodes, every.world_size) == (nodes, nodes, nodes)
-    assert (scaling.one.nodes, one.nnodes, one.world_size) == (1, 1, 1)
+    assert (scaling.every.nodes, every.nnodes, every.world_size) == (nodes, nodes, world)
+    assert (scaling.one.nodes, one.nnodes, one.world_size) == (1, 1, master)
+    assert every.ranks == {h: tuple(r) for h, r in lab_ranks.items()}  # the summary names them
     assert one.run_id != every.run_id
     # The same plan: the runs differ in their node count alone.
     assert pinned(one) == pinned(every)

@@ -361,7 +361,7 @@ def test_status_says_the_run_succeeded_not_active_exited() -> None:
     said = _said(done.stdout)
     assert f"Run {run_id}: succeeded" in said
     assert "active exited" not in said
-    assert f"{WORKER} rank 1: succeeded" in said
+    assert f"{WORKER} (node rank 1, rank 1): succeeded" in said  # its one process: rank 1
 
 
 def test_second_run_keeps_the_first_runs_output() -> None:

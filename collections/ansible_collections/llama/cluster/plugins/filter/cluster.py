@@ -1,5 +1,6 @@
 """Jinja filters that check the inventory and derive the cluster's topology from it: the rules
-are module_utils/inventory.py (inventory_report, cluster_ranks, node_nproc)."""
+are module_utils/inventory.py (inventory_report, cluster_groups, cluster_ranks, node_nproc,
+global_ranks)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,22 @@ from typing import Any
 
 from ansible_collections.llama.cluster.plugins.module_utils.inventory import (
     HOST_SETTINGS,
+    cluster_groups,
     cluster_ranks,
+    global_ranks,
     inventory_report,
     node_nproc,
 )
 
-__all__ = ["HOST_SETTINGS", "FilterModule", "cluster_ranks", "inventory_report", "node_nproc"]
+__all__ = [
+    "HOST_SETTINGS",
+    "FilterModule",
+    "cluster_groups",
+    "cluster_ranks",
+    "global_ranks",
+    "inventory_report",
+    "node_nproc",
+]
 
 
 class FilterModule:
@@ -22,6 +33,8 @@ class FilterModule:
         """The filters this plugin provides."""
         return {
             "inventory_report": inventory_report,
+            "cluster_groups": cluster_groups,
             "cluster_ranks": cluster_ranks,
+            "global_ranks": global_ranks,
             "node_nproc": node_nproc,
         }

@@ -11,7 +11,8 @@ from typing import Any
 
 # Lines worth showing from a failed node's log, and those that only echo another node's failure.
 ERROR_LINE = re.compile(
-    r"error|exception|traceback|killed|signal \d|sig[a-z]+\)|exitcode|failed|out of memory",
+    r"error|exception|traceback|killed|signal \d|sig[a-z]+\)|exitcode|failed|out of memory|"
+    r"\(local_rank: \d+\)",  # torchrun's summary names the process that failed: its rank
     re.IGNORECASE,
 )
 NOISE_LINE = re.compile(r"^\s*(warnings\.warn|warn\(|[-=]{8,}\s*$)", re.IGNORECASE)

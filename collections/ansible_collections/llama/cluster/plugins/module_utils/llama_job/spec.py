@@ -113,6 +113,9 @@ class JobSpec:
     resume_argument: str = ""
     sharded: bool = False
     resume: bool = False
+    # The global ranks (torchrun's RANK) of this node's processes, in local order: what status
+    # names (empty for a job that is not torchrun's, such as a service).
+    ranks: tuple[int, ...] = ()
 
     @property
     def is_master(self) -> bool:
@@ -172,6 +175,15 @@ def _patterns(path: str, raw: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(patterns)
 
 
+def _ranks(path: str, raw: Mapping[str, Any]) -> tuple[int, ...]:
+    given = raw.get("ranks") or []
+    if not isinstance(given, list) or not all(
+        isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in given
+    ):
+        raise Refused(f"{path}: ranks must be a list of non-negative integers")
+    return tuple(given)
+
+
 def _master(raw: Mapping[str, Any]) -> Master:
     given = raw.get("master") if isinstance(raw.get("master"), Mapping) else {}
     return Master(host=str(given.get("host", raw["host"])), address=str(given.get("address", "")))
@@ -221,6 +233,7 @@ def parse_spec(path: str, raw: Mapping[str, Any]) -> JobSpec:
         resume_argument=str(raw.get("resume_argument") or ""),
         sharded=bool(raw.get("sharded", False)),
         resume=bool(raw.get("resume", False)),
+        ranks=_ranks(path, raw),
     )
 
 
