@@ -28,7 +28,7 @@ from .model import find_model, resolve_model
 from .nodes import check_nodes
 from .rules import apply_rules, check_rules
 from .schema import Settings, check_project_settings, check_request
-from .search import SEARCH_STAGES, Option, Search, Tries, assess, ranked
+from .search import HYBRID, SEARCH_STAGES, Option, Search, Tries, assess, hybrid_applies, ranked
 from .techniques import NUMERICS_EVIDENCE, PLAIN, Technique, candidates, fallback
 
 # Stages that keep the weights in host memory: a LoRA run that fits only with one of them may be
@@ -445,6 +445,7 @@ def assemble(
         ),
         nproc=nproc,
     )
+    check_hybrid(request, memory, len(nodes))
     train_args = request["train_args"]
     facts = {
         "accelerator": accelerator,
@@ -505,6 +506,7 @@ def assemble(
             )
         fp8_args, environment, decisions["fp8"] = choose_fp8(nodes, accelerator, stage)
         args = {**args, **fp8_args}
+    environment.update(stage_environment(stage))
     micro = int(args.get("per_device_train_batch_size", 1))
     accumulation = int(args.get("gradient_accumulation_steps", 1))
     tokens = micro * accumulation * int(model["cutoff_len"])
@@ -583,6 +585,29 @@ def assemble(
     }
     result["summary"] = summary(result, smallest, smallest_host, performance_lines)
     return result
+
+
+def check_hybrid(request: Mapping[str, Any], memory: Memory, nnodes: int) -> None:
+    """A hybrid stage asked for (-e deepspeed=zero3_hpz or hsdp) where it has nothing to split
+    between inside a node and across nodes: refused, naming what it needs and what to ask
+    instead."""
+    asked = request.get("deepspeed") or "auto"
+    if asked in HYBRID and not hybrid_applies(memory):
+        instead = "fsdp" if asked == "hsdp" else "zero3"
+        raise PlanError(
+            f"deepspeed={asked} shards inside a node and replicates across nodes: it needs "
+            f"several nodes of several processes each, and this cluster is {nnodes} node(s) x "
+            f"{memory.nproc} process(es). Ask for deepspeed={instead} (the same sharding over "
+            "every rank), or leave deepspeed to the planner. Nothing was changed on any node."
+        )
+
+
+def stage_environment(stage: str) -> dict[str, str]:
+    """What a stage needs in every rank's environment. hsdp: accelerate 1.11 takes FSDP's
+    sharding strategy from FSDP_SHARDING_STRATEGY (default FULL_SHARD) and ignores the
+    hybrid_shard that transformers 5.6 passes it from train.yaml (measured on the lab: without
+    it every rank shards over the whole world)."""
+    return {"FSDP_SHARDING_STRATEGY": "HYBRID_SHARD"} if stage == "hsdp" else {}
 
 
 def _count(params_b: float) -> str:
