@@ -415,16 +415,18 @@ def test_the_line_says_the_locked_memory_and_the_p2p_decision():
     verdict = preflight.preflight_ranks(ipc(4096, memlock=65536), "gpu1", 2, p2p=off)
     assert verdict["ok"]
     assert "locked memory 64 KiB" in verdict["line"]
-    assert "P2P: off, NCCL_P2P_DISABLE=1 for its jobs (GPUs 0 and 1 have no peer access)" in (
-        verdict["line"]
+    assert (
+        "P2P: off, NCCL_P2P_DISABLE=1 for its jobs (GPUs 0 and 1 have no peer access)"
+        in (verdict["line"])
     )
     assert "--ulimit memlock=-1" in verdict["warning"]
     on = preflight.preflight_ranks(ipc(4096), "gpu1", 2, p2p={"nccl_p2p_disable": False})
     assert "P2P: on between its GPUs" in on["line"]
     assert on["warning"] == ""
-    assert "P2P: not probed (run playbooks/check.yml" in preflight.preflight_ranks(
-        ipc(4096), "gpu1", 2
-    )["line"]
+    assert (
+        "P2P: not probed (run playbooks/check.yml"
+        in preflight.preflight_ranks(ipc(4096), "gpu1", 2)["line"]
+    )
     cpu = preflight.preflight_ranks(ipc(64), "lab1", 2, accelerator="cpu")
     assert "P2P: none (a CPU node" in cpu["line"]
 
