@@ -40,7 +40,15 @@ from llama_runner.results import (
     TrainProgress,
     TrainSummary,
 )
-from llama_runner.scaling import DEFAULT_STEPS, MEASURE_ARGS, Point, Scaling, master_only, pinned
+from llama_runner.scaling import (
+    DEFAULT_STEPS,
+    MEASURE_ARGS,
+    Point,
+    Scaling,
+    first_nodes,
+    master_only,
+    pinned,
+)
 from llama_runner.secrets import SecretsFile, run_secrets
 
 PROJECT_DIR = find_project_dir()
@@ -190,12 +198,15 @@ class Cluster:
         resume: bool = False,
         detach: bool = False,
         run_id: str | None = None,
+        nodes: int | None = None,
         on_event: EventCallback | None = None,
         on_progress: ProgressCallback | None = None,
         **overrides: object,
     ) -> RunResult:
         """Train `model` (a catalogue name) on `dataset`; `overrides` are train.yml's other
-        variables (model_path, cutoff_len, deepspeed, train_args={...}, ...).
+        variables (model_path, cutoff_len, deepspeed, train_args={...}, ...). `nodes`: train on
+        the inventory's first N nodes in node rank order (a YAML inventory: a copy of it that
+        holds them alone, beside it, removed after), the way out the go/no-go names.
 
         Returns when the run has finished (or, with detach, once every rank has started: attach()
         follows it); the result's `run_id` is the one train.yml settled on and `summary` what it
@@ -204,6 +215,23 @@ class Cluster:
         unless `detach`, and RunInterrupted says whether it was.
         """
         extravars = _train_vars(model, dataset, resume, run_id, overrides, detach=detach)
+        if nodes is not None:
+            with first_nodes(self.inventory, nodes) as (inventory, _):
+                # This Cluster's own run on the copy: cancel() and current_run_id reach it.
+                self.inventory, every_node = inventory, self.inventory
+                try:
+                    return self.train(
+                        model,
+                        dataset,
+                        resume=resume,
+                        detach=detach,
+                        run_id=run_id,
+                        on_event=on_event,
+                        on_progress=on_progress,
+                        **overrides,
+                    )
+                finally:
+                    self.inventory = every_node
         try:
             return self.run_playbook(
                 PLAYBOOKS["train"], extravars, on_event=on_event, on_progress=on_progress

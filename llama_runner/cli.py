@@ -428,6 +428,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--run-id", help="with --resume: the run to continue (default: latest)")
     train.add_argument("--resume", action="store_true", help="resume from the last checkpoint")
     train.add_argument("--detach", action="store_true", help="return once every rank started")
+    train.add_argument(
+        "--nodes",
+        type=int,
+        help="train on the inventory's first N nodes in node rank order (a YAML inventory)",
+    )
     plan = sub.add_parser(
         "plan", parents=[extra], help="the plan of a run, without training (train.yml --check)"
     )
@@ -469,6 +474,7 @@ def _dispatch(cluster: Cluster, args: argparse.Namespace) -> RunResult | Scaling
             resume=args.resume,
             detach=args.detach,
             run_id=args.run_id,
+            nodes=args.nodes,
             **extravars,
         ),
         "plan": lambda: cluster.plan(

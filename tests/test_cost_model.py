@@ -201,6 +201,11 @@ def test_a_10_mbit_link_refuses_zero3_and_accepts_ddp_with_accumulation() -> Non
     assert "link 0.01 Gbit/s, link_gbps" in message
     for way in ("fewer nodes: 1", "a faster link: at least", "-e allow_slow_scaling=true"):
         assert way in message, way
+    # Issue 39: the way out is a command that works (train.yml refuses --limit).
+    assert "fewer nodes: 1 (python train_runner.py train --model tiny --nodes 1, the same -e" in (
+        message
+    )
+    assert "--limit" not in message
     ddp = tiny_on(0.01, deepspeed="none", **accumulate)
     assert (ddp["train_args"]["gradient_accumulation_steps"], ddp["deepspeed"]) == (32, "none")
     scaling = ddp["performance"]["scaling"]

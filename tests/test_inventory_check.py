@@ -273,6 +273,8 @@ def test_train_refuses_any_limit_naming_it_before_contacting_a_node(tmp_path: Pa
     assert rc != 0
     assert f"so it cannot run under --limit (got --limit {limit}); nothing was changed" in text
     assert "python train_runner.py scaling --model M" in text
+    # The way out the go/no-go names for fewer nodes too (issue 39).
+    assert "python train_runner.py train --model M --nodes N" in text
     assert "UNREACHABLE" not in out
     assert "Check the request" not in out  # refused by the first play, before the plan
 

@@ -29,6 +29,7 @@ from llama_runner.scaling import (
     MEASURE_ARGS,
     Point,
     Scaling,
+    first_nodes,
     master_only,
     one_node_inventory,
     pinned,
@@ -602,6 +603,25 @@ def test_the_master_only_copy_loads_in_ansible_with_the_inventorys_group_vars(tm
     assert "hosts" not in graph.get("workers", {})
     assert set(graph["_meta"]["hostvars"]) == {"node1"}
     assert graph["_meta"]["hostvars"]["node1"]["cluster_setting"] == 2
+
+
+def test_first_nodes_keeps_the_nodes_of_the_lowest_ranks_and_refuses_a_count_out_of_range(
+    tmp_path: Path,
+):
+    # train --nodes N: the way out the go/no-go names for fewer nodes (issue 39).
+    inventory = tmp_path / "hosts.yml"
+    inventory.write_text(THREE_NODES)
+    with first_nodes(inventory, 2) as (copy, kept):
+        assert kept == ["node1", "node2"]
+        document = yaml.safe_load(copy.read_text())
+        assert copy.name.startswith(".")
+    assert not copy.exists()
+    cluster = document["all"]["children"]["cluster"]
+    assert cluster["vars"] == {"nproc_per_node": 1}
+    assert cluster["children"]["workers"]["hosts"] == {"node2": None}
+    for count in (0, 4):
+        with pytest.raises(InvalidInput, match="has 3 nodes"), first_nodes(inventory, count):
+            pass
 
 
 def test_master_only_refuses_a_directory_or_a_file_that_is_not_yaml(tmp_path: Path):

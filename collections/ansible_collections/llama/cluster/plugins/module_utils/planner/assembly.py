@@ -493,6 +493,7 @@ def assemble(
         nnodes=len(nodes),
         nproc=nproc,
         allow_slow=bool(request.get("allow_slow_scaling")),
+        model_name=request.get("model"),
     )
     decisions["deepspeed"] = stage_why
     decisions["technique"] = _technique_line(search, technique, request["numerics"], available)

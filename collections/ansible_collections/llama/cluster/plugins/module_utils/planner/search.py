@@ -335,9 +335,11 @@ def assess(
     nnodes: int,
     nproc: int,
     allow_slow: bool,
+    model_name: str | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
     """The plan's predicted performance and the lines that show it; raises PlanError (the
-    go/no-go) when the nodes would not pay, unless allow_slow."""
+    go/no-go) when the nodes would not pay, unless allow_slow. `model_name` (the request's)
+    goes into the command that trains on fewer nodes."""
     if search is None or chosen is None:
         why = "CPU cluster" if memory.budget is None else "the model's shape is unknown"
         return {"predicted": False}, [
@@ -413,7 +415,16 @@ def assess(
         f"Refused before launch: {refusal} (link {link.bandwidth * 8 / 1e9:g} Gbit/s, "
         f"{link.source}; plan {chosen.label()}: {chosen.timing()}). Ways out: "
         + "; or ".join(
-            _ways_out(search, memory, chosen, scales=scales, link=link, nnodes=nnodes, nproc=nproc)
+            _ways_out(
+                search,
+                memory,
+                chosen,
+                scales=scales,
+                link=link,
+                nnodes=nnodes,
+                nproc=nproc,
+                model_name=model_name,
+            )
         )
         + ". Or train anyway with -e allow_slow_scaling=true. Nothing was changed on any node."
     )
@@ -438,6 +449,7 @@ def _ways_out(
     link: Link,
     nnodes: int,
     nproc: int,
+    model_name: str | None = None,
 ) -> list[str]:
     """What would pay, with its predicted figures: fewer nodes, LoRA, more accumulation, a
     faster link."""
@@ -445,10 +457,8 @@ def _ways_out(
     fewer = [s for s in scales[:-1] if s.tokens_per_s]
     if fewer:
         best = max(fewer, key=lambda s: s.tokens_per_s or 0.0)
-        ways.append(
-            f"fewer nodes: {best.nodes} (--limit or the cluster group) at "
-            f"{best.tokens_per_s:,.0f} tokens/s"
-        )
+        ways.append(f"fewer nodes: {best.nodes} ({fewer_nodes_command(model_name, best.nodes)}) at "
+                    f"{best.tokens_per_s:,.0f} tokens/s")  # fmt: skip
     if memory.finetuning == "full" and "none" in search.asks:
         lora = replace(memory, finetuning="lora")
         asks = {s: search.asks["none"] for s in SEARCH_STAGES["lora"]}
@@ -504,6 +514,16 @@ def _ways_out(
             else "no faster link: this plan's compute alone is slower than fewer nodes"
         )
     return ways or ["none predicted to pay on this link"]
+
+
+def fewer_nodes_command(model_name: str | None, nodes: int) -> str:
+    """The command that trains the same request on the first `nodes` nodes in node rank order
+    (train.yml refuses --limit: its plan is for every node of the inventory)."""
+    model = f" --model {model_name}" if model_name else ""
+    return (
+        f"python train_runner.py train{model} --nodes {nodes}, the same -e options; or an "
+        "inventory of those nodes alone"
+    )
 
 
 def _verdict(
