@@ -49,6 +49,21 @@ def reported_exit_status(text: str) -> int | None:
     return failed[-1] if failed else None
 
 
+# torchrun's ChildFailedError summary: the process whose failure came first, by its global rank.
+ROOT_CAUSE = re.compile(
+    r"Root Cause[^\n]*\n(?:.*\n){0,4}?\s*rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)"
+)
+
+
+def failed_rank(text: str) -> str:
+    """'rank 3 (local rank 1)': the process torchrun names as the first to fail ("" if none)."""
+    found = ROOT_CAUSE.findall(text)
+    if not found:
+        return ""
+    rank, local = found[-1]
+    return f"rank {rank} (local rank {local})"
+
+
 def is_peer_symptom(errors: list[str]) -> bool:
     """True when a failure's lines only say that another node went away."""
     return any(PEER_SYMPTOM.search(line) for line in errors)
