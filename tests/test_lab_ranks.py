@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fault_timings import record_fault
 from train_runner import DEFAULT_INVENTORY, Cluster
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +47,6 @@ STALL_FLOOR_S = 30
 # The bounds, from the fault to every process of the attempt gone from both nodes (docs/faults.md).
 RANK_DIES_S = 30  # the agent's 0.2 s loop, one message, job_stop_timeout (10 s); a loaded machine
 FROZEN_S = STALL_FLOOR_S + 10 + 20  # the stall floor + job_stop_timeout + a loaded machine
-RESULTS = ROOT / ".cache" / "fault_timings.json"
 
 pytestmark = pytest.mark.lab
 _run: dict[str, object] = {}
@@ -100,26 +100,6 @@ def time_until_gone(pids: dict[str, set[int]], since: float, bound: float) -> fl
             return time.monotonic() - since
         time.sleep(0.5)
     pytest.fail(f"processes of the attempt still run {2 * bound:.0f} s after the fault: {alive}")
-
-
-def record(name: str, seconds: float, bound: float, derivation: str) -> None:
-    """A fault's stop time, written beside the molecule scenario's (docs/faults.md reads them)."""
-    print(f"{name}: every rank stopped {seconds:.1f} s after the fault (bound {bound:.0f} s)")
-    try:
-        results = json.loads(RESULTS.read_text())
-    except (OSError, ValueError):
-        results = {}
-    results.setdefault("faults", {})[name] = {
-        "measured_s": round(seconds, 1),
-        "bound_s": bound,
-        "bound": derivation,
-        "within_bound": seconds <= bound,
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "load_average_1m": round(os.getloadavg()[0], 1),
-    }
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
-    assert seconds <= bound, f"{name}: {seconds:.1f} s > {bound:.0f} s"
 
 
 def signal_rank_at_checkpoint(host: str, checkpoint: int, sig: str) -> tuple[float, int]:
@@ -231,7 +211,7 @@ def test_a_killed_local_rank_stops_every_rank_on_every_node_and_the_run_restarts
     killed_at, victim = signal_rank_at_checkpoint(worker, checkpoint, "KILL")
     assert victim in pids[worker]
     elapsed = time_until_gone(pids, killed_at, RANK_DIES_S)
-    record(
+    record_fault(
         "a worker's local rank 1 killed (2 ranks per node)",
         elapsed,
         RANK_DIES_S,
@@ -276,7 +256,7 @@ def test_a_frozen_local_rank_is_named_and_every_rank_stops(run: dict, lab_hosts:
     pids = {host: set(found) for host, found in all_ranks(lab_hosts).items()}
     frozen_at, _ = signal_rank_at_checkpoint(worker, next_checkpoint(master), "STOP")
     elapsed = time_until_gone(pids, frozen_at, FROZEN_S)
-    record(
+    record_fault(
         "a worker's local rank 1 frozen (SIGSTOP), its siblings in a collective",
         elapsed,
         FROZEN_S,
@@ -301,7 +281,7 @@ def test_a_killed_node_agent_stops_every_rank_and_fails_the_run_naming_the_node(
     node(worker, f"kill -9 {agent[0]}")
     killed_at = time.monotonic()
     elapsed = time_until_gone(pids, killed_at, RANK_DIES_S)
-    record(
+    record_fault(
         "a worker's agent (llama-job run) killed, 2 ranks per node",
         elapsed,
         RANK_DIES_S,
