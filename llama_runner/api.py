@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -216,22 +216,17 @@ class Cluster:
         """
         extravars = _train_vars(model, dataset, resume, run_id, overrides, detach=detach)
         if nodes is not None:
-            with first_nodes(self.inventory, nodes) as (inventory, _):
-                # This Cluster's own run on the copy: cancel() and current_run_id reach it.
-                self.inventory, every_node = inventory, self.inventory
-                try:
-                    return self.train(
-                        model,
-                        dataset,
-                        resume=resume,
-                        detach=detach,
-                        run_id=run_id,
-                        on_event=on_event,
-                        on_progress=on_progress,
-                        **overrides,
-                    )
-                finally:
-                    self.inventory = every_node
+            with self._first_nodes(nodes):
+                return self.train(
+                    model,
+                    dataset,
+                    resume=resume,
+                    detach=detach,
+                    run_id=run_id,
+                    on_event=on_event,
+                    on_progress=on_progress,
+                    **overrides,
+                )
         try:
             return self.run_playbook(
                 PLAYBOOKS["train"], extravars, on_event=on_event, on_progress=on_progress
@@ -244,6 +239,17 @@ class Cluster:
             # refuses to start while another one runs.
             raise self._stop_after_interrupt(interrupted) from interrupted
 
+    @contextlib.contextmanager
+    def _first_nodes(self, count: int) -> Iterator[None]:
+        """This Cluster on a copy of its inventory that holds its first `count` nodes in node
+        rank order (scaling.first_nodes), so that cancel() and current_run_id reach the run."""
+        with first_nodes(self.inventory, count) as (inventory, _):
+            self.inventory, every_node = inventory, self.inventory
+            try:
+                yield
+            finally:
+                self.inventory = every_node
+
     def plan(
         self,
         model: str | None = None,
@@ -251,6 +257,7 @@ class Cluster:
         *,
         resume: bool = False,
         run_id: str | None = None,
+        nodes: int | None = None,
         on_event: EventCallback | None = None,
         **overrides: object,
     ) -> RunResult:
@@ -263,6 +270,11 @@ class Cluster:
         facts are read where none are cached). A request that train() would refuse raises the
         same error here (InvalidInput naming the problem).
         """
+        if nodes is not None:  # train(nodes=N)'s plan
+            with self._first_nodes(nodes):
+                return self.plan(
+                    model, dataset, resume=resume, run_id=run_id, on_event=on_event, **overrides
+                )
         extravars = _train_vars(model, dataset, resume, run_id, overrides)
         result = self.run_playbook(PLAYBOOKS["train"], extravars, on_event=on_event, check=True)
         result.plan = tuple(

@@ -428,11 +428,6 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--run-id", help="with --resume: the run to continue (default: latest)")
     train.add_argument("--resume", action="store_true", help="resume from the last checkpoint")
     train.add_argument("--detach", action="store_true", help="return once every rank started")
-    train.add_argument(
-        "--nodes",
-        type=int,
-        help="train on the inventory's first N nodes in node rank order (a YAML inventory)",
-    )
     plan = sub.add_parser(
         "plan", parents=[extra], help="the plan of a run, without training (train.yml --check)"
     )
@@ -440,6 +435,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--dataset")
     plan.add_argument("--run-id", help="with --resume: the run to continue (default: latest)")
     plan.add_argument("--resume", action="store_true", help="the plan of a resumed run")
+    for sub_parser in (train, plan):  # the go/no-go's way out: fewer nodes
+        sub_parser.add_argument(
+            "--nodes",
+            type=int,
+            help="train on the inventory's first N nodes in node rank order (a YAML inventory)",
+        )
     scaling = sub.add_parser(
         "scaling", parents=[extra], help="train the plan on every node, then on one: tokens/s"
     )
@@ -478,7 +479,12 @@ def _dispatch(cluster: Cluster, args: argparse.Namespace) -> RunResult | Scaling
             **extravars,
         ),
         "plan": lambda: cluster.plan(
-            args.model, args.dataset, resume=args.resume, run_id=args.run_id, **extravars
+            args.model,
+            args.dataset,
+            resume=args.resume,
+            run_id=args.run_id,
+            nodes=args.nodes,
+            **extravars,
         ),
         "scaling": lambda: cluster.scaling(args.model, args.dataset, steps=args.steps, **extravars),
         "status": lambda: cluster.status(args.run_id),

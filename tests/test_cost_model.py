@@ -50,7 +50,7 @@ from ansible_collections.llama.cluster.plugins.module_utils.planner.nodes import
 from ansible_collections.llama.cluster.plugins.module_utils.planner.schema import (  # noqa: E402
     DEEPSPEED_STAGES,
 )
-from test_planner import RTX4090_GIB, SETTINGS, make_plan, nodes  # noqa: E402
+from test_planner import RTX4090_GIB, SETTINGS, TRAINING, make_plan, nodes  # noqa: E402
 from test_run_plan_action import CONFIG  # noqa: E402
 
 DATA = json.loads((ROOT / "tests/data/memory_grid.json").read_text())
@@ -363,3 +363,63 @@ def test_hsdp_asked_for_sets_accelerates_strategy_in_every_ranks_environment() -
     assert args["fsdp"] == "hybrid_shard auto_wrap"
     assert args["fsdp_config"] == "/runs/r/fsdp_config.json"
     assert "deepspeed" not in args
+
+
+# ---- the lab's go/no-go: CPU nodes planned as GPUs for the prediction only (issue 39) -----------
+def emulated_lab(profile: str = "rtx4090", **extra: Any) -> dict:
+    """The 2 x 2 CPU lab with cluster_planning_profile, on a 10 Gbit/s link: the tiny model's
+    plan (a Qwen2 shape, LoRA)."""
+    cluster = nodes(2, nproc=2, accelerator="cpu")
+    for node in cluster:
+        node["links"] = node_links({}, 10.0)
+        node["planning_profile"] = profile
+    settings = {**SETTINGS, "planning_profiles": TRAINING["training_planning_profiles"]}
+    params_b = model_params(SMALL) / 1e9
+    return make_plan(
+        "tiny", cluster=cluster, model_config=SMALL, model_params_b=params_b, settings=settings,
+        **extra,
+    )  # fmt: skip
+
+
+def test_a_cpu_lab_planned_as_4090s_is_refused_by_the_go_no_go_saying_it_is_emulated() -> None:
+    with pytest.raises(PlanError) as refused:
+        emulated_lab()
+    message = str(refused.value)
+    assert message.startswith(
+        "Emulated (cluster_planning_profile=rtx4090: these CPU nodes planned as NVIDIA GeForce "
+        "RTX 4090 GPUs for the prediction only; they train on their CPUs): Refused before launch"
+    ), message
+    assert "fewer nodes: 1 (python train_runner.py train --model tiny --nodes 1" in message
+    assert '-e \'{"train_args": {"gradient_accumulation_steps": 4}}\'' in message
+
+
+def test_each_way_out_of_the_emulated_refusal_passes_and_the_run_stays_a_cpu_run() -> None:
+    for way in (
+        {"allow_slow_scaling": True},
+        {"train_args": {"gradient_accumulation_steps": 4}},
+    ):
+        plan = emulated_lab(**way)
+        assert plan["performance"]["emulated"] == "rtx4090"
+        assert plan["accelerator"] == "cpu"  # what trains: the CPU plan
+        assert plan["deepspeed"] == "none"
+        lines = [x for x in plan["summary"] if x.startswith("Emulated (cluster_planning_profile")]
+        assert any("Predicted (planner/cost.py" in x for x in lines), plan["summary"]
+        assert any("Scaling (predicted, per added node)" in x for x in lines), plan["summary"]
+    # Fewer nodes: one node of two processes is planned without a go/no-go (nothing to cross).
+    cluster = nodes(1, nproc=2, accelerator="cpu")
+    cluster[0]["planning_profile"] = "rtx4090"
+    settings = {**SETTINGS, "planning_profiles": TRAINING["training_planning_profiles"]}
+    one = make_plan(
+        "tiny", cluster=cluster, model_config=SMALL, settings=settings,
+        model_params_b=model_params(SMALL) / 1e9,
+    )  # fmt: skip
+    assert one["performance"]["emulated"] == "rtx4090"
+
+
+def test_an_unknown_or_mixed_planning_profile_is_refused_naming_the_variable() -> None:
+    with pytest.raises(PlanError, match="cluster_planning_profile=gtx1080 is no planning profile"):
+        emulated_lab("gtx1080")
+    cluster = nodes(2, accelerator="cpu")
+    cluster[0]["planning_profile"] = "rtx4090"
+    with pytest.raises(PlanError, match="name different planning profiles"):
+        make_plan("tiny", cluster=cluster)

@@ -33,6 +33,7 @@ from llama_runner.scaling import (
     master_only,
     one_node_inventory,
     pinned,
+    ranked_nodes,
 )
 from train_runner import (
     DEFAULT_INVENTORY,
@@ -910,10 +911,46 @@ def test_lab_killed_rank_raises_playbook_failed_naming_the_node(
         assert run_units(host, run_ids[-1]) == "", host
 
 
+def tutorial_ini(path: Path, inventory: Path, *extra: str) -> Path:
+    """The lab as a tutorial's INI inventory: a [cluster] group of the nodes' addresses, the
+    user and the key file (the lab's known_hosts standing in for the user's own); no master or
+    workers group, and `extra` lines under [cluster:vars]."""
+    document = yaml.safe_load(inventory.read_text())
+    settings = document["all"]["vars"]
+    hosts = ranked_nodes(inventory)
+    hostvars = {
+        host: vars_
+        for group in ("master", "workers")
+        for host, vars_ in (document["all"]["children"]["cluster"]["children"][group]["hosts"]
+                            or {}).items()
+    }  # fmt: skip
+    lines = ["[cluster]", *(hostvars[h]["ansible_host"] for h in hosts), "", "[cluster:vars]"]
+    lines += [
+        f"ansible_user={settings['ansible_user']}",
+        f"ansible_ssh_private_key_file={settings['ansible_ssh_private_key_file']}",
+        "ansible_become=true",
+        f"ansible_ssh_common_args='{settings['ansible_ssh_common_args']}'",
+        *extra,
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 @pytest.mark.lab
 @needs_train
-def test_lab_cli_train_shows_progress_and_exits_0_then_2(provisioned: Cluster):
-    ok = cli("train", "--model", "tiny")
+def test_lab_cli_train_shows_progress_and_exits_0_then_2(provisioned: Cluster, tmp_path: Path):
+    # Issue 39: the lab as a tutorial writes an inventory. Without saying the nodes train on
+    # their CPUs it is refused naming the one setting that fixes it; with it (and the lab's two
+    # processes per node), the first address is the master and the run trains.
+    bare = tutorial_ini(tmp_path / "hosts.ini", DEFAULT_INVENTORY)
+    refused = cli("-i", str(bare), "plan", "--model", "tiny")
+    said = " ".join((refused.stdout + refused.stderr).split())
+    assert refused.returncode == EXIT_INVALID_INPUT, said[-3000:]
+    assert "set cluster_accelerator=cpu for the cluster" in said, said[-3000:]
+    ini = tutorial_ini(
+        tmp_path / "hosts.ini", DEFAULT_INVENTORY, "cluster_accelerator=cpu", "nproc_per_node=2"
+    )
+    ok = cli("-i", str(ini), "train", "--model", "tiny")
     assert ok.returncode == EXIT_OK, ok.stdout[-3000:]
     assert "step " in ok.stdout
     assert "loss " in ok.stdout

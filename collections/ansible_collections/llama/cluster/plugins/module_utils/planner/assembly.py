@@ -25,7 +25,7 @@ from .errors import TRAINING_FILE, PlanError
 from .links import run_link
 from .memory import GIB, Memory, gib_text
 from .model import find_model, resolve_model
-from .nodes import check_nodes
+from .nodes import check_nodes, emulated_nodes
 from .rules import apply_rules, check_rules
 from .schema import Settings, check_project_settings, check_request
 from .search import HYBRID, SEARCH_STAGES, Option, Search, Tries, assess, hybrid_applies, ranked
@@ -495,6 +495,11 @@ def assemble(
         allow_slow=bool(request.get("allow_slow_scaling")),
         model_name=request.get("model"),
     )
+    emulated = emulated_nodes(nodes, data.planning_profiles) if accelerator == "cpu" else None
+    if emulated is not None:
+        performance, performance_lines = emulated_performance(
+            request, model, emulated, ranks=ranks, datasets=datasets, settings=settings
+        )
     decisions["deepspeed"] = stage_why
     decisions["technique"] = _technique_line(search, technique, request["numerics"], available)
     environment: dict[str, str] = {}
@@ -586,6 +591,34 @@ def assemble(
     }
     result["summary"] = summary(result, smallest, smallest_host, performance_lines)
     return result
+
+
+# The lines of a plan that say its prediction and its go/no-go.
+PREDICTION_LINES = ("Predicted", "Runner-up", "Link between nodes", "Scaling")
+
+
+def emulated_performance(
+    request: Mapping[str, Any],
+    model: Mapping[str, Any],
+    emulated: tuple[list[dict[str, Any]], str],
+    *,
+    ranks: Mapping[str, int],
+    datasets: Sequence[Mapping[str, Any]],
+    settings: Mapping[str, Any],
+) -> tuple[dict[str, Any], list[str]]:
+    """A CPU cluster's prediction and go/no-go, planned as the GPU nodes of its planning profile
+    (nodes.emulated_nodes): the emulated plan's performance and its lines, each saying so. Its
+    refusal (the go/no-go, or what does not fit such GPUs) is raised the same way."""
+    nodes, what = emulated
+    said = f"Emulated ({what})"
+    name = what.split("=", 1)[1].split(":", 1)[0]
+    try:
+        planned = assemble(request, model=model, nodes=nodes, ranks=ranks, datasets=datasets,
+                           settings={**settings, "planning_profiles": {}})  # fmt: skip
+    except PlanError as refused:
+        raise PlanError(f"{said}: {refused}") from None
+    lines = [f"{said}: {line}" for line in planned["summary"] if line.startswith(PREDICTION_LINES)]
+    return {**planned["performance"], "emulated": name}, lines
 
 
 def check_hybrid(request: Mapping[str, Any], memory: Memory, nnodes: int) -> None:

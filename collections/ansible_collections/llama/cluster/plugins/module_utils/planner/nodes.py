@@ -469,6 +469,8 @@ def describe_nodes(
                     local_facts(hostvars[host], "llama_links"),
                     _knob(host, hostvars[host], "link_gbps", "Gbit/s"),
                 ),
+                # A CPU node planned as a GPU node for the prediction only (assembly.py).
+                "planning_profile": str(_get(hostvars[host], "cluster_planning_profile") or ""),
             }
         )
     if problems:
@@ -539,4 +541,44 @@ def uneven_nodes_message(nodes: Sequence[Mapping[str, Any]]) -> str:
         f"{fewest} for the whole cluster (e.g. [cluster:vars] in an INI inventory: "
         f"{', '.join(larger)} then leave {'some GPUs' if fewest > 1 else 'all but one GPU'} idle), "
         f"or leave {', '.join(smaller)} out of the cluster group."
+    )
+
+
+def emulated_nodes(
+    nodes: Sequence[Mapping[str, Any]], profiles: Mapping[str, Any]
+) -> tuple[list[dict[str, Any]], str] | None:
+    """CPU nodes as the GPU nodes their cluster_planning_profile names (one GPU per process),
+    and what the plan says of it; None where no node names one. For the prediction and the go/no-go
+    only: the nodes still train on their CPUs. Raises on an unknown profile, or nodes that name
+    different ones."""
+    named = {str(n.get("planning_profile") or "") for n in nodes}
+    if named == {""}:
+        return None
+    if len(named) > 1:
+        listed = "; ".join(f"{n['host']}: {n.get('planning_profile') or 'none'}" for n in nodes)
+        raise PlanError(
+            f"The nodes name different planning profiles ({listed}): set "
+            "cluster_planning_profile once for the cluster (or -e cluster_planning_profile=...)."
+        )
+    name = named.pop()
+    profile = profiles.get(name)
+    if not isinstance(profile, Mapping):
+        raise PlanError(
+            f"cluster_planning_profile={name} is no planning profile: use one of "
+            f"{', '.join(sorted(profiles)) or 'none'} (training_planning_profiles, "
+            "group_vars/all/training.yml), or leave it unset."
+        )
+    return [
+        {
+            **node,
+            "accelerator": "nvidia",
+            "gpu_memory_gib": float(profile["gpu_memory_gib"]),
+            "memory_source": f"planning profile {name} ({profile.get('name', name)}, emulated)",
+            "compute_capability": profile.get("compute_capability"),
+            "planning_profile": "",
+        }
+        for node in nodes
+    ], (
+        f"cluster_planning_profile={name}: these CPU nodes planned as "
+        f"{profile.get('name', name)} GPUs for the prediction only; they train on their CPUs"
     )

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import CATALOGUE_FILE, TRAINING_FILE, PlanError
@@ -349,3 +349,5 @@ class Settings:
     stages: Sequence[str]
     # training_shared_storage: every rank writes its checkpoint shards to the one runs directory.
     shared_storage: bool = False
+    # training_planning_profiles: the GPUs a CPU cluster may be planned as.
+    planning_profiles: Mapping[str, Any] = field(default_factory=dict)
