@@ -2,6 +2,8 @@
 
     python bench/links.py                      2 and 3 nodes, 1000 and 100 Mbit/s, four plans
     python bench/links.py --nodes 2 --rates 100 --plans none:1,zero3:1 --steps 6
+    python bench/links.py --nodes 2 --nproc 2 --cpus 0.9 --prefix i39links \
+        --plans none:1,none:8,zero2:1,zero3:1,zero3_hpz:1,hsdp:1     2 nodes x 2 ranks (issue 39)
 
 Starts lab containers of its own (the node image; the training stack mounted read-only from
 $LLAMA_CLUSTER_TRAIN_VENV, as molecule's train scenario does), each held to --cpus CPUs so that
@@ -17,16 +19,23 @@ gradients costs as much as computing them on a CPU). Then, for each link rate:
    with FORCE_TORCHRUN=1 starts it, the DeepSpeed configuration rendered from the project's
    templates/deepspeed.json.j2; the step time is the mean after --warmup steps.
 
+With --nproc N every node runs N ranks (torchrun's local ranks: they talk over the node's
+loopback, which tc leaves alone), so that the hybrid plans shard inside a node and replicate
+across nodes: zero3_hpz (ZeRO++ hpZ, DeepSpeed) and hsdp (FSDP's hybrid shard). On a CPU these
+need what accelerate and DeepSpeed do on GPUs, done in the bench's entry only (ENTRY below).
+
 The prediction is the planner's arithmetic with the compute part measured, since the cost
 model's compute coefficients are fitted on H200s:
 
-    predicted = the plan's step time on one node (compute, optimizer, the engine's own work)
-              + planner/cost.py communication_seconds(traffic(shape, setup, nodes), link)
+    predicted = the plan's step time on one node of N ranks (compute, optimizer, the engine's
+                own work, and what the node's ranks exchange over its loopback)
+              + planner/cost.py communication_seconds(traffic(shape, setup, nodes x N), link)
 
-with setup.half false (the CPU trains in fp32). The plan with the best predicted tokens/s at a
-rate and node count is the one the planner's search would choose: it is marked, and so is the
-fastest measured. Writes bench/results/links.md (the table and its command) and links.json.
-A benchmark, not a test: it asserts nothing.
+with setup.half false (the CPU trains in fp32) and setup.local_ranks N (what crosses nodes).
+The plan with the best predicted tokens/s at a rate and node count is the one the planner's
+search would choose: it is marked, and so is the fastest measured. Writes
+bench/results/links.md (the table and its command) and links.json. A benchmark, not a test: it
+asserts nothing.
 """
 
 from __future__ import annotations
@@ -48,17 +57,26 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "collections"))
 
+from ansible_collections.llama.cluster.plugins.filter.run_config import FSDP_STAGES  # noqa: E402
 from ansible_collections.llama.cluster.plugins.module_utils.planner import cost  # noqa: E402
+from ansible_collections.llama.cluster.plugins.module_utils.planner.assembly import (  # noqa: E402
+    stage_environment,
+)
 from ansible_collections.llama.cluster.plugins.module_utils.planner.measured_memory import (  # noqa: E402
     Shape,
+)
+from ansible_collections.llama.cluster.plugins.module_utils.planner.model import (  # noqa: E402
+    layer_class,
 )
 
 IMAGE = "llama-cluster-node:bookworm-2"
 # Mounted read-only; the node's own python3 (the same minor version) imports from it.
 VENV = os.environ.get("LLAMA_CLUSTER_TRAIN_VENV", "/var/cache/llama-cluster/venv-train")
 SITE = f"{VENV}/lib/python3.11/site-packages"
-PREFIX = "links"
 MASTER_PORT = 29400
+# Container and network names start with this (--prefix): two benches, or a bench beside someone
+# else's, never share a name.
+PREFIX = "links"
 
 
 def sh(*argv: str, check: bool = True, timeout: float | None = None) -> str:
@@ -71,6 +89,12 @@ def sh(*argv: str, check: bool = True, timeout: float | None = None) -> str:
 
 def node(i: int) -> str:
     return f"{PREFIX}-node{i + 1}"
+
+
+def set_prefix(prefix: str) -> None:
+    """Name this bench's containers, network and logs after `prefix`."""
+    global PREFIX  # noqa: PLW0603 - one bench per process
+    PREFIX = prefix
 
 
 def start_nodes(count: int, cpus: float, work: Path) -> None:
@@ -108,8 +132,17 @@ def limit(nodes: int, mbit: int | None) -> None:
         )  # fmt: skip
 
 
-def torchrun(nodes: int, script: str, args: list[str], env: dict[str, str], timeout: float) -> None:
-    """The script under torchrun on the first `nodes` nodes at once, as the launcher starts it."""
+def torchrun(
+    nodes: int,
+    script: str,
+    args: list[str],
+    env: dict[str, str],
+    *,
+    timeout: float,
+    nproc: int = 1,
+) -> None:
+    """The script under torchrun on the first `nodes` nodes at once, `nproc` ranks each, as the
+    launcher starts it."""
     procs = []
     for rank in range(nodes):
         exports = {
@@ -122,8 +155,8 @@ def torchrun(nodes: int, script: str, args: list[str], env: dict[str, str], time
         argv = [
             "docker", "exec", *[f"--env={k}={v}" for k, v in exports.items()], node(rank),
             "python3", "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node_rank={rank}",
-            "--nproc_per_node=1", f"--master_addr={node(0)}", f"--master_port={MASTER_PORT}",
-            script, *args,
+            f"--nproc_per_node={nproc}", f"--master_addr={node(0)}",
+            f"--master_port={MASTER_PORT}", script, *args,
         ]  # fmt: skip
         log = open(f"/tmp/{PREFIX}-rank{rank}.log", "w")  # noqa: SIM115 - closed below
         procs.append((subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT), log))
@@ -156,13 +189,21 @@ def measure_link(work: Path, nodes: int) -> dict[str, Any]:
     return json.loads((work / "out" / node(0) / "allreduce.json").read_text())
 
 
-def deepspeed_config(stage: str) -> dict[str, Any]:
-    """templates/deepspeed.json.j2 rendered for `stage` with roles/run_config's values."""
-    defaults = yaml.safe_load((ROOT / "roles/run_config/defaults/main.yml").read_text())
-    zero = yaml.safe_load((ROOT / "roles/run_config/vars/main.yml").read_text())
+def _templates() -> jinja2.Environment:
     env = jinja2.Environment(undefined=jinja2.StrictUndefined)
     env.filters["bool"] = bool
     env.filters["to_nice_json"] = lambda v, indent=2, sort_keys=False: json.dumps(v, indent=indent)
+    env.filters["to_json"] = json.dumps
+    return env
+
+
+def deepspeed_config(stage: str, nproc: int = 1) -> dict[str, Any]:
+    """templates/deepspeed.json.j2 rendered for `stage` with roles/run_config's values (a node
+    of `nproc` ranks: ZeRO++ hpZ's partition)."""
+    defaults = yaml.safe_load((ROOT / "roles/run_config/defaults/main.yml").read_text())
+    defaults["run_config_plan"] = {"nproc_per_node": nproc}
+    zero = yaml.safe_load((ROOT / "roles/run_config/vars/main.yml").read_text())
+    env = _templates()
 
     def resolve(value: Any) -> Any:  # noqa: ANN401 - YAML data
         if isinstance(value, dict):
@@ -174,6 +215,15 @@ def deepspeed_config(stage: str) -> dict[str, Any]:
     section = resolve(zero["__run_config_ds_zero"][stage])
     template = env.from_string((ROOT / "templates/deepspeed.json.j2").read_text())
     return json.loads(template.render(run_config_ds_zero=section))
+
+
+def fsdp_config(layer_class: str) -> dict[str, Any]:
+    """templates/fsdp_config.json.j2 as train.yml renders it, less what needs a GPU: FSDP's
+    sync_module_states (and the RAM-efficient loading that relies on it) sets up on the
+    accelerator's current device, which a CPU has none of (accelerate raises)."""
+    template = _templates().from_string((ROOT / "templates/fsdp_config.json.j2").read_text())
+    config = json.loads(template.render(run_config_layer_class=layer_class))
+    return {**config, "sync_module_states": False, "cpu_ram_efficient_loading": False}
 
 
 @dataclass
@@ -188,22 +238,69 @@ class Plan:
 
     @property
     def label(self) -> str:
-        name = "DDP" if self.stage == "none" else self.stage.replace("zero", "ZeRO-")
+        name = LABELS.get(self.stage) or self.stage.replace("zero", "ZeRO-")
         return f"{name}, accumulation {self.accumulation}"
+
+    @property
+    def fsdp(self) -> bool:
+        return self.stage in ("fsdp", "hsdp")
+
+
+LABELS = {"none": "DDP", "zero3_hpz": "ZeRO++ hpZ", "hsdp": "HSDP"}
 
 
 # DeepSpeed's CPU backend builds its shared-memory all-reduce (for ranks of one node) at start-up,
-# which needs a compiler the node image lacks; with one rank per node it would never be used:
-# the entry marks the op unavailable, and DeepSpeed all-reduces over gloo.
+# which needs a compiler the node image lacks: the entry marks the op unavailable, and DeepSpeed
+# all-reduces over gloo (a node's ranks over its loopback).
 # On GPUs accelerate starts DeepSpeed's communication before the model loads; on a CPU it does
 # not, and ZeRO-3's zero.Init would then size its batch for one rank: the entry starts it.
-ENTRY = """import os
+# FSDP (LINKS_FSDP): accelerate 1.11 enables FSDP for GPU-like devices only (its state.py: a
+# CPU run stays MULTI_CPU), passes each rank's device as cpu:<local rank>, which FSDP refuses
+# beside its compute device cpu, and FSDP's hybrid shard takes the node's group size from the
+# accelerator's device count (torch.cpu.device_count() is 1): the entry makes the CPU run FSDP,
+# passes the device as cpu, and counts a node's ranks as its devices.
+ENTRY = """import functools
+import os
 import runpy
 import deepspeed
 import deepspeed.ops
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 if os.environ.get("LINKS_DEEPSPEED") == "1":
     deepspeed.init_distributed(dist_backend="gloo")
+if os.environ.get("LINKS_FSDP") == "1":
+    import torch
+    import accelerate.state
+    from accelerate.utils import DistributedType
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    torch.cpu.device_count = lambda: int(os.environ["LOCAL_WORLD_SIZE"])
+    state_init = accelerate.state.AcceleratorState.__init__
+
+    @functools.wraps(state_init)
+    def fsdp_on_cpu(self, *args, **kwargs):
+        state_init(self, *args, **kwargs)
+        plugin = kwargs.get("fsdp_plugin")
+        if self.distributed_type == DistributedType.MULTI_CPU and plugin is not None:
+            self.distributed_type = DistributedType.FSDP
+            self.fsdp_plugin = plugin
+
+    accelerate.state.AcceleratorState.__init__ = fsdp_on_cpu
+    fsdp_init = FullyShardedDataParallel.__init__
+
+    @functools.wraps(fsdp_init)
+    def cpu_device(self, *args, **kwargs):
+        device = kwargs.get("device_id")
+        if isinstance(device, torch.device) and device.type == "cpu":
+            kwargs["device_id"] = torch.device("cpu")
+        fsdp_init(self, *args, **kwargs)
+        if not getattr(FullyShardedDataParallel, "said", False):
+            FullyShardedDataParallel.said = True
+            inter = getattr(self, "_inter_node_pg", None)
+            print(f"FSDP {kwargs.get('sharding_strategy')}: shard over "
+                  f"{self.process_group.size()} ranks, replicated over "
+                  f"{inter.size() if inter is not None else 1}", flush=True)
+
+    FullyShardedDataParallel.__init__ = cpu_device
 runpy.run_path("/work/lf_entry.py", run_name="__main__")
 """
 
@@ -235,16 +332,26 @@ def train_config(plan: Plan, steps: int, cutoff: int) -> dict[str, Any]:
         "ddp_timeout": 600,
         "ddp_find_unused_parameters": False,
     }
-    if plan.stage != "none":
+    if plan.fsdp:  # as roles/run_config writes it (filter/run_config.py: FSDP_STAGES)
+        config["fsdp"] = FSDP_STAGES[plan.stage]
+        config["fsdp_config"] = "/work/fsdp.json"
+    elif plan.stage != "none":
         config["deepspeed"] = f"/work/ds_{plan.stage}.json"
     return config
 
 
 def train(
-    work: Path, plan: Plan, nodes: int, *, steps: int, warmup: int, cutoff: int
+    work: Path,
+    plan: Plan,
+    nodes: int,
+    *,
+    steps: int,
+    warmup: int,
+    cutoff: int,
+    nproc: int = 1,
 ) -> dict[str, Any]:
-    """One run of the plan on the first `nodes` nodes (its config in `work`); rank 0's timing
-    window."""
+    """One run of the plan on the first `nodes` nodes of `nproc` ranks (its config in `work`);
+    rank 0's timing window."""
     name = f"{plan.stage}-{plan.accumulation}.yaml"
     (work / name).write_text(yaml.safe_dump(train_config(plan, steps, cutoff)))
     result = work / "out" / node(0) / "bench" / "rank0.json"
@@ -253,10 +360,13 @@ def train(
         "BENCH_OUT": "/out/bench",
         "BENCH_WARMUP_STEPS": str(warmup),
         "BENCH_SKIP_SAVE": "1",
-        "LINKS_DEEPSPEED": "1" if plan.stage != "none" else "0",
+        "LINKS_DEEPSPEED": "1" if plan.stage not in ("none", "fsdp", "hsdp") else "0",
+        "LINKS_FSDP": "1" if plan.fsdp else "0",
+        # The plan's environment, as train.yml sets it in every rank (planner/assembly.py).
+        **stage_environment(plan.stage),
     }
     started = time.monotonic()
-    torchrun(nodes, "/work/entry.py", [f"/work/{name}"], env, timeout=1800)
+    torchrun(nodes, "/work/entry.py", [f"/work/{name}"], env, timeout=1800, nproc=nproc)
     rank0 = json.loads(result.read_text())
     return {
         "step_s": rank0["window_s"] / rank0["window_steps"],
@@ -267,8 +377,9 @@ def train(
     }
 
 
-def prepare(work: Path, hidden: int, lines: int) -> Shape:
-    """The model, an alpaca dataset of long answers, the DeepSpeed configs, the scripts."""
+def prepare(work: Path, hidden: int, lines: int, nproc: int = 1) -> Shape:
+    """The model, an alpaca dataset of long answers, the DeepSpeed and FSDP configs (for nodes
+    of `nproc` ranks), the scripts."""
     model = work / "model"
     if not (model / "tiny_model.json").is_file():
         sh(
@@ -296,8 +407,10 @@ def prepare(work: Path, hidden: int, lines: int) -> Shape:
     (data / "links.json").write_text(json.dumps(rows))
     (data / "dataset_info.json").write_text(json.dumps({"links": {"file_name": "links.json"}}))
     (work / "entry.py").write_text(ENTRY)
-    for stage in ("zero1", "zero2", "zero3"):
-        (work / f"ds_{stage}.json").write_text(json.dumps(deepspeed_config(stage), indent=2))
+    for stage in ("zero1", "zero2", "zero3", "zero3_hpz"):
+        ds = deepspeed_config(stage, nproc)
+        (work / f"ds_{stage}.json").write_text(json.dumps(ds, indent=2))
+    (work / "fsdp.json").write_text(json.dumps(fsdp_config(layer_class(config)), indent=2))
     for script in (ROOT / "bench/lf_entry.py", ROOT / "roles/preflight/files/allreduce.py"):
         (work / script.name).write_text(script.read_text())
     return Shape.from_config(config, float(summary["parameters"]))
@@ -306,10 +419,14 @@ def prepare(work: Path, hidden: int, lines: int) -> Shape:
 def communication(shape: Shape, row: dict[str, Any], cutoff: int) -> float:
     """The cost model's seconds of communication per step of a row's plan (fp32, no latency:
     tbf adds none) over the link its all-reduce measured."""
-    setup = cost.Setup("full", row["stage"], False, cutoff, row["accumulation"], half=False)
+    nproc = int(row.get("nproc", 1))
+    setup = cost.Setup(
+        "full", row["stage"], False, cutoff, row["accumulation"], half=False, local_ranks=nproc
+    )
     link = cost.Link.from_gbps(row["busbw_gbps"], 0.0, "allreduce.py, gloo")
-    moved = cost.traffic(shape, setup, row["nodes"])
-    return cost.communication_seconds(moved, link, row["nodes"]) or 0.0
+    world = row["nodes"] * nproc
+    moved = cost.traffic(shape, setup, world)
+    return cost.communication_seconds(moved, link, world) or 0.0
 
 
 def micro_batch_seconds(one: dict[str, dict[str, Any]]) -> float:
@@ -331,12 +448,14 @@ def assess(rows: list[dict[str, Any]], one: dict[str, dict[str, Any]], shape: Sh
     predicted = the plan's step on one node + its communication - under ZeRO, the share of the
     one-node step each rank now does for its 1/n partition: the step's work that is not per
     micro-batch (the optimizer over the fp32 weights, the engine's partition copies), which
-    cost.py models as the optimizer term over the partition."""
+    cost.py models as the optimizer term over the partition (HSDP's partition is a node's
+    ranks, on one node as on several: no saving)."""
     micro = micro_batch_seconds(one)
     for row in rows:
         base = one[row["plan"]]["step_s"]
         per_step = max(0.0, base - row["accumulation"] * micro)
-        shared = 0.0 if row["stage"] == "none" else per_step * (1 - 1 / row["nodes"])
+        whole = row["stage"] in ("none", "hsdp")
+        shared = 0.0 if whole else per_step * (1 - 1 / row["nodes"])
         row["one_node_s"], row["partition_saving_s"] = base, shared
         row["communication_s"] = communication(shape, row, cutoff)
         row["predicted_s"] = base - shared + row["communication_s"]
@@ -361,17 +480,24 @@ def measure_group(
     group = []
     for plan in plans:
         run = train(
-            args.work, plan, nodes, steps=args.steps, warmup=args.warmup, cutoff=args.cutoff
+            args.work,
+            plan,
+            nodes,
+            steps=args.steps,
+            warmup=args.warmup,
+            cutoff=args.cutoff,
+            nproc=args.nproc,
         )
         row = {
             "nodes": nodes,
+            "nproc": args.nproc,
             "mbit": mbit,
             "busbw_gbps": measured["busbw_gbps"],
             "plan": plan.label,
             "stage": plan.stage,
             "accumulation": plan.accumulation,
             "measured_s": run["step_s"],
-            "tokens_per_step": plan.accumulation * args.cutoff * nodes,
+            "tokens_per_step": plan.accumulation * args.cutoff * nodes * args.nproc,
             "loss": run["loss"],
         }
         print(json.dumps(row), flush=True)
@@ -394,8 +520,9 @@ def table(rows: list[dict[str, Any]], command: str) -> str:
         "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
+        shape = f"{r['nodes']} x {r['nproc']}" if r.get("nproc", 1) > 1 else f"{r['nodes']}"
         out.append(
-            f"| {r['nodes']} | {r['mbit']} Mbit/s | {r['busbw_gbps'] * 1000:.0f} Mbit/s "
+            f"| {shape} | {r['mbit']} Mbit/s | {r['busbw_gbps'] * 1000:.0f} Mbit/s "
             f"| {r['plan']} | {r['one_node_s']:.2f} | {r['communication_s']:.2f} "
             f"| {r['partition_saving_s']:.2f} | {r['predicted_s']:.2f} "
             f"| {r['measured_s']:.2f} | {r['error']:+.0%} | {marks(r, '')} "
@@ -426,6 +553,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--cpus", type=float, default=0.6)
+    parser.add_argument("--nproc", type=int, default=1, help="ranks on every node")
+    parser.add_argument("--prefix", default=PREFIX, help="names of the containers and network")
     parser.add_argument("--work", type=Path, default=Path("/tmp/links-bench"))
     parser.add_argument("--results", type=Path, default=ROOT / "bench/results")
     parser.add_argument("--keep", action="store_true", help="leave the containers running")
@@ -434,19 +563,26 @@ def main() -> None:
     if args.table_from:
         report(json.loads(args.table_from.read_text()), args.results)
         return
+    set_prefix(args.prefix)
     args.work.mkdir(parents=True, exist_ok=True)
     counts = [int(n) for n in args.nodes.split(",")]
     rates = [int(r) for r in args.rates.split(",")]
     plans = [Plan.parse(p) for p in args.plans.split(",")]
     args.max_nodes = max(counts)
-    shape = prepare(args.work, args.hidden, 400)
+    shape = prepare(args.work, args.hidden, 400, args.nproc)
     start_nodes(args.max_nodes, args.cpus, args.work)
     rows: list[dict[str, Any]] = []
     try:
         one = {}
         for plan in plans:
             run = train(
-                args.work, plan, 1, steps=args.steps, warmup=args.warmup, cutoff=args.cutoff
+                args.work,
+                plan,
+                1,
+                steps=args.steps,
+                warmup=args.warmup,
+                cutoff=args.cutoff,
+                nproc=args.nproc,
             )
             one[plan.label] = {"stage": plan.stage, "accumulation": plan.accumulation, **run}
             print(f"1 node, {plan.label}: {run['step_s']:.2f} s/step", flush=True)
@@ -457,7 +593,13 @@ def main() -> None:
         if not args.keep:
             stop_nodes()
     command = shlex.join(["python", "bench/links.py", *sys.argv[1:]])
-    meta = {"shape": asdict(shape), "cutoff": args.cutoff, "cpus": args.cpus, "command": command}
+    meta = {
+        "shape": asdict(shape),
+        "cutoff": args.cutoff,
+        "cpus": args.cpus,
+        "nproc": args.nproc,
+        "command": command,
+    }
     report({"rows": rows, "one_node": one, **meta}, args.results)
 
 

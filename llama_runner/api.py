@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -41,7 +41,15 @@ from llama_runner.results import (
     TrainProgress,
     TrainSummary,
 )
-from llama_runner.scaling import DEFAULT_STEPS, MEASURE_ARGS, Point, Scaling, master_only, pinned
+from llama_runner.scaling import (
+    DEFAULT_STEPS,
+    MEASURE_ARGS,
+    Point,
+    Scaling,
+    first_nodes,
+    master_only,
+    pinned,
+)
 from llama_runner.secrets import SecretsFile, run_secrets
 
 PROJECT_DIR = find_project_dir()
@@ -191,12 +199,15 @@ class Cluster:
         resume: bool = False,
         detach: bool = False,
         run_id: str | None = None,
+        nodes: int | None = None,
         on_event: EventCallback | None = None,
         on_progress: ProgressCallback | None = None,
         **overrides: object,
     ) -> RunResult:
         """Train `model` (a catalogue name) on `dataset`; `overrides` are train.yml's other
-        variables (model_path, cutoff_len, deepspeed, train_args={...}, ...).
+        variables (model_path, cutoff_len, deepspeed, train_args={...}, ...). `nodes`: train on
+        the inventory's first N nodes in node rank order (a YAML inventory: a copy of it that
+        holds them alone, beside it, removed after), the way out the go/no-go names.
 
         Returns when the run has finished (or, with detach, once every rank has started: attach()
         follows it); the result's `run_id` is the one train.yml settled on and `summary` what it
@@ -205,6 +216,18 @@ class Cluster:
         unless `detach`, and RunInterrupted says whether it was.
         """
         extravars = _train_vars(model, dataset, resume, run_id, overrides, detach=detach)
+        if nodes is not None:
+            with self._first_nodes(nodes):
+                return self.train(
+                    model,
+                    dataset,
+                    resume=resume,
+                    detach=detach,
+                    run_id=run_id,
+                    on_event=on_event,
+                    on_progress=on_progress,
+                    **overrides,
+                )
         try:
             return self.run_playbook(
                 PLAYBOOKS["train"], extravars, on_event=on_event, on_progress=on_progress
@@ -217,6 +240,17 @@ class Cluster:
             # refuses to start while another one runs.
             raise self._stop_after_interrupt(interrupted) from interrupted
 
+    @contextlib.contextmanager
+    def _first_nodes(self, count: int) -> Iterator[None]:
+        """This Cluster on a copy of its inventory that holds its first `count` nodes in node
+        rank order (scaling.first_nodes), so that cancel() and current_run_id reach the run."""
+        with first_nodes(self.inventory, count) as (inventory, _):
+            self.inventory, every_node = inventory, self.inventory
+            try:
+                yield
+            finally:
+                self.inventory = every_node
+
     def plan(
         self,
         model: str | None = None,
@@ -224,6 +258,7 @@ class Cluster:
         *,
         resume: bool = False,
         run_id: str | None = None,
+        nodes: int | None = None,
         on_event: EventCallback | None = None,
         **overrides: object,
     ) -> RunResult:
@@ -236,6 +271,11 @@ class Cluster:
         facts are read where none are cached). A request that train() would refuse raises the
         same error here (InvalidInput naming the problem).
         """
+        if nodes is not None:  # train(nodes=N)'s plan
+            with self._first_nodes(nodes):
+                return self.plan(
+                    model, dataset, resume=resume, run_id=run_id, on_event=on_event, **overrides
+                )
         extravars = _train_vars(model, dataset, resume, run_id, overrides)
         result = self.run_playbook(PLAYBOOKS["train"], extravars, on_event=on_event, check=True)
         result.plan = tuple(

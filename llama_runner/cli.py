@@ -458,6 +458,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--dataset")
     plan.add_argument("--run-id", help="with --resume: the run to continue (default: latest)")
     plan.add_argument("--resume", action="store_true", help="the plan of a resumed run")
+    for sub_parser in (train, plan):  # the go/no-go's way out: fewer nodes
+        sub_parser.add_argument(
+            "--nodes",
+            type=int,
+            help="train on the inventory's first N nodes in node rank order (a YAML inventory)",
+        )
     scaling = sub.add_parser(
         "scaling", parents=[extra], help="train the plan on every node, then on one: tokens/s"
     )
@@ -492,10 +498,16 @@ def _dispatch(cluster: Cluster, args: argparse.Namespace) -> RunResult | Scaling
             resume=args.resume,
             detach=args.detach,
             run_id=args.run_id,
+            nodes=args.nodes,
             **extravars,
         ),
         "plan": lambda: cluster.plan(
-            args.model, args.dataset, resume=args.resume, run_id=args.run_id, **extravars
+            args.model,
+            args.dataset,
+            resume=args.resume,
+            run_id=args.run_id,
+            nodes=args.nodes,
+            **extravars,
         ),
         "scaling": lambda: cluster.scaling(args.model, args.dataset, steps=args.steps, **extravars),
         "status": lambda: cluster.status(args.run_id),

@@ -161,6 +161,8 @@ class TrainSummary:
 
     run_id: str
     world_size: int | None = None
+    # Every node's processes by their global ranks (torchrun's RANK): host -> ranks.
+    ranks: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     effective_batch_size: int | None = None
     runtime_s: float | None = None
     final_loss: float | None = None
@@ -189,6 +191,10 @@ class TrainSummary:
         return cls(
             run_id=str(data.get("run_id", "")),
             world_size=data.get("world_size"),
+            ranks={
+                str(host): tuple(int(r) for r in ranks or ())
+                for host, ranks in (data.get("ranks") or {}).items()
+            },
             effective_batch_size=data.get("effective_batch_size"),
             runtime_s=data.get("runtime_s"),
             final_loss=data.get("final_loss"),

@@ -40,6 +40,25 @@ def _groups(group: Mapping[str, Any]) -> Iterator[tuple[str, Mapping[str, Any]]]
         yield from _groups(child or {})
 
 
+def keep_hosts(document: Mapping[str, Any], keep: set[str]) -> dict[str, Any]:
+    """A copy of the YAML inventory `document` with every host but those in `keep` taken out;
+    groups, their variables and the kept hosts' own are kept as they are."""
+    result = copy.deepcopy(dict(document))
+
+    def prune(group: dict[str, Any]) -> None:
+        hosts = group.get("hosts")
+        if isinstance(hosts, dict):
+            group["hosts"] = {h: v for h, v in hosts.items() if h in keep}
+        for name, child in (group.get("children") or {}).items():
+            if isinstance(child, dict):
+                prune(child)
+            elif child is None:
+                group["children"][name] = {}
+
+    prune(result["all"])
+    return result
+
+
 def one_node_inventory(document: Mapping[str, Any], source: str) -> tuple[dict[str, Any], str]:
     """The YAML inventory `document` with every host but the master's taken out, and the master.
 
@@ -63,45 +82,91 @@ def one_node_inventory(document: Mapping[str, Any], source: str) -> tuple[dict[s
             f"(found: {', '.join(masters) or 'none'})"
         )
     master = masters[0]
-    result = copy.deepcopy(dict(document))
+    return keep_hosts(document, {master}), master
 
-    def prune(group: dict[str, Any]) -> None:
-        hosts = group.get("hosts")
-        if isinstance(hosts, dict):
-            group["hosts"] = {h: v for h, v in hosts.items() if h == master}
-        for name, child in (group.get("children") or {}).items():
-            if isinstance(child, dict):
-                prune(child)
-            elif child is None:
-                group["children"][name] = {}
 
-    prune(result["all"])
-    return result, master
+def _read_yaml(inventory: Path, what: str) -> Any:  # noqa: ANN401 - a YAML document
+    """The YAML inventory file `inventory`, for `what` (InvalidInput for anything else)."""
+    if inventory.is_dir() or inventory.suffix not in (".yml", ".yaml"):
+        raise InvalidInput(
+            f"{what} needs the inventory as one YAML file, not {inventory}: pass -i "
+            "<inventory>/hosts.yml (its group_vars/ and host_vars/ still apply)"
+        )
+    try:
+        return yaml.safe_load(inventory.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as err:
+        raise InvalidInput(f"cannot read the inventory {inventory}: {err}") from err
+
+
+@contextmanager
+def _copy_beside(
+    inventory: Path, document: Mapping[str, Any], tag: str, header: str
+) -> Iterator[Path]:
+    """`document` as a hidden YAML file beside `inventory` (so that its group_vars/ and
+    host_vars/ still apply, and a directory inventory never loads it), removed on the way out."""
+    copy_path = inventory.with_name(f".{inventory.stem}.{os.getpid()}.{tag}.yml")
+    copy_path.write_text(header + yaml.safe_dump(dict(document), sort_keys=False), "utf-8")
+    try:
+        yield copy_path
+    finally:
+        copy_path.unlink(missing_ok=True)
 
 
 @contextmanager
 def master_only(inventory: Path) -> Iterator[tuple[Path, str]]:
     """A copy of the YAML inventory file `inventory` with the master alone (a hidden file beside
     it), and the master's name; the copy is removed on the way out."""
-    if inventory.is_dir() or inventory.suffix not in (".yml", ".yaml"):
-        raise InvalidInput(
-            f"scaling needs the inventory as one YAML file, not {inventory}: pass -i "
-            "<inventory>/hosts.yml (its group_vars/ and host_vars/ still apply)"
-        )
-    try:
-        document = yaml.safe_load(inventory.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as err:
-        raise InvalidInput(f"cannot read the inventory {inventory}: {err}") from err
+    document = _read_yaml(inventory, "scaling")
     pruned, master = one_node_inventory(document, str(inventory))
-    copy_path = inventory.with_name(f".{inventory.stem}.{os.getpid()}.one-node.yml")
     header = (
         f"# {inventory.name} with its master alone, for `llama-cluster scaling` (removed after)\n"
     )
-    copy_path.write_text(header + yaml.safe_dump(pruned, sort_keys=False), encoding="utf-8")
-    try:
+    with _copy_beside(inventory, pruned, "one-node", header) as copy_path:
         yield copy_path, master
-    finally:
-        copy_path.unlink(missing_ok=True)
+
+
+def ranked_nodes(inventory: Path) -> list[str]:
+    """The inventory's nodes in node rank order, as train.yml ranks them (Ansible's own reading
+    of the inventory, llama.cluster's cluster_ranks)."""
+    # Ansible's inventory and the collection's rules load only when asked (the CLI starts fast).
+    from ansible.errors import AnsibleError  # noqa: PLC0415
+    from ansible.inventory.manager import InventoryManager  # noqa: PLC0415
+    from ansible.parsing.dataloader import DataLoader  # noqa: PLC0415
+    from ansible.vars.manager import VariableManager  # noqa: PLC0415
+    from ansible_collections.llama.cluster.plugins.module_utils.inventory import (  # noqa: PLC0415
+        cluster_ranks,
+    )
+
+    loader = DataLoader()
+    hosts = InventoryManager(loader=loader, sources=[str(inventory)])
+    variables = VariableManager(loader=loader, inventory=hosts)
+    hostvars = {host.name: variables.get_vars(host=host) for host in hosts.get_hosts()}
+    try:
+        ranks = cluster_ranks(hosts.get_groups_dict(), hostvars)
+    except AnsibleError as err:
+        raise InvalidInput(f"{inventory}: {err.message}") from err
+    return sorted(ranks, key=ranks.__getitem__)
+
+
+@contextmanager
+def first_nodes(inventory: Path, count: int) -> Iterator[tuple[Path, list[str]]]:
+    """A copy of the YAML inventory file `inventory` with its first `count` nodes in node rank
+    order (the master first), and their names: what `train --nodes N` trains on, the way out
+    the go/no-go names ("fewer nodes"); the copy is removed on the way out."""
+    document = _read_yaml(inventory, "training on fewer nodes (--nodes)")
+    ranked = ranked_nodes(inventory)
+    if not 1 <= count <= len(ranked):
+        raise InvalidInput(
+            f"--nodes {count}: the inventory {inventory} has {len(ranked)} nodes "
+            f"({', '.join(ranked)}); give 1 to {len(ranked)}"
+        )
+    keep = ranked[:count]
+    header = (
+        f"# {inventory.name} with its first {count} node(s), for `train --nodes {count}` "
+        "(removed after)\n"
+    )
+    with _copy_beside(inventory, keep_hosts(document, set(keep)), "nodes", header) as copy_path:
+        yield copy_path, keep
 
 
 def pinned(summary: TrainSummary) -> tuple[str | None, dict[str, Any]]:

@@ -38,7 +38,10 @@ ROOT = Path(__file__).resolve().parents[1]
 init_plugin_loader([str(ROOT / "collections"), str(ROOT / ".cache" / "collections")])
 
 # After the finder: llama_runner and the tests load the collection's plugins through it.
-from ansible_collections.llama.cluster.plugins.module_utils.inventory import cluster_ranks  # noqa: E402
+from ansible_collections.llama.cluster.plugins.module_utils.inventory import (  # noqa: E402
+    cluster_ranks,
+    global_ranks,
+)
 
 from train_runner import DEFAULT_INVENTORY, Cluster  # noqa: E402
 
@@ -78,14 +81,20 @@ def lab() -> Cluster:
     return Cluster()
 
 
-def ranked_hosts(inventory: Path) -> list[str]:
-    """The inventory's nodes in rank order, as train.yml ranks them (llama.cluster's
-    cluster_ranks over Ansible's own reading of the inventory)."""
+def _read_inventory(inventory: Path) -> tuple[dict[str, list[str]], dict[str, dict]]:
+    """Ansible's own reading of an inventory: its groups and every host's variables."""
     loader = DataLoader()
     hosts = InventoryManager(loader=loader, sources=[str(inventory)])
     variables = VariableManager(loader=loader, inventory=hosts)
     hostvars = {host.name: variables.get_vars(host=host) for host in hosts.get_hosts()}
-    ranks = cluster_ranks(hosts.get_groups_dict(), hostvars)
+    return hosts.get_groups_dict(), hostvars
+
+
+def ranked_hosts(inventory: Path) -> list[str]:
+    """The inventory's nodes in rank order, as train.yml ranks them (llama.cluster's
+    cluster_ranks over Ansible's own reading of the inventory)."""
+    groups, hostvars = _read_inventory(inventory)
+    ranks = cluster_ranks(groups, hostvars)
     return sorted(ranks, key=ranks.__getitem__)
 
 
@@ -93,6 +102,13 @@ def ranked_hosts(inventory: Path) -> list[str]:
 def lab_hosts(lab: Cluster) -> list[str]:
     """The lab's nodes, master first."""
     return ranked_hosts(DEFAULT_INVENTORY)
+
+
+@pytest.fixture(scope="session")
+def lab_ranks(lab: Cluster) -> dict[str, list[int]]:
+    """The global ranks of every lab node's training processes (the lab runs two per node)."""
+    groups, hostvars = _read_inventory(DEFAULT_INVENTORY)
+    return global_ranks(groups, hostvars)
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "collections"))
 sys.path.insert(0, str(ROOT / "tests"))
+from ansible_collections.llama.cluster.plugins.filter.run_config import (  # noqa: E402
+    train_args,
+)
 from ansible_collections.llama.cluster.plugins.module_utils.planner import (  # noqa: E402
     cost,
 )
@@ -34,13 +37,20 @@ from ansible_collections.llama.cluster.plugins.module_utils.planner.links import
     node_links,
     run_link,
 )
+from ansible_collections.llama.cluster.plugins.module_utils.planner.memory import (  # noqa: E402
+    BF16,
+    Memory,
+)
 from ansible_collections.llama.cluster.plugins.module_utils.planner.model import (  # noqa: E402
     model_params,
 )
 from ansible_collections.llama.cluster.plugins.module_utils.planner.nodes import (  # noqa: E402
     describe_nodes,
 )
-from test_planner import make_plan, nodes  # noqa: E402
+from ansible_collections.llama.cluster.plugins.module_utils.planner.schema import (  # noqa: E402
+    DEEPSPEED_STAGES,
+)
+from test_planner import RTX4090_GIB, SETTINGS, TRAINING, make_plan, nodes  # noqa: E402
 from test_run_plan_action import CONFIG  # noqa: E402
 
 DATA = json.loads((ROOT / "tests/data/memory_grid.json").read_text())
@@ -191,6 +201,11 @@ def test_a_10_mbit_link_refuses_zero3_and_accepts_ddp_with_accumulation() -> Non
     assert "link 0.01 Gbit/s, link_gbps" in message
     for way in ("fewer nodes: 1", "a faster link: at least", "-e allow_slow_scaling=true"):
         assert way in message, way
+    # Issue 39: the way out is a command that works (train.yml refuses --limit).
+    assert "fewer nodes: 1 (python train_runner.py train --model tiny --nodes 1, the same -e" in (
+        message
+    )
+    assert "--limit" not in message
     ddp = tiny_on(0.01, deepspeed="none", **accumulate)
     assert (ddp["train_args"]["gradient_accumulation_steps"], ddp["deepspeed"]) == (32, "none")
     scaling = ddp["performance"]["scaling"]
@@ -246,3 +261,165 @@ def test_a_link_knob_that_is_not_a_number_is_refused_naming_the_host_and_the_uni
     (node,) = describe_nodes({"n0": 0}, {"n0": facts}, {"n0": 1})
     assert node["links"]["peers"]["n1"] == {"gbps": 21.5, "rtt_ms": 0.2}
     assert node["links"]["link_gbps"] is None
+
+
+# ---- the hybrid stages: several processes per node (issue 39) ---------------------------------
+def test_the_hybrid_stages_move_less_across_nodes_than_zero3() -> None:
+    shape = SHAPES["1.5b"]
+    n = shape.params
+
+    def moved(stage: str, accumulation: int = 1) -> float:
+        setup = cost.Setup("full", stage, False, 2048, accumulation, local_ranks=4)
+        return cost.traffic(shape, setup, 8).wire_bytes  # 2 nodes x 4 processes
+
+    # hpZ: the forward's gather and the gradients' reduce-scatter over every rank (bf16).
+    assert moved("zero3_hpz") == pytest.approx(7 / 8 * (2 * n + 2 * n))
+    # HSDP: each node's gradient shards all-reduced with the other node's: the whole gradients
+    # once, ring over 2 nodes.
+    assert moved("hsdp") == pytest.approx(2 * (1 / 2) * 2 * n)
+    assert moved("hsdp") < moved("zero3_hpz") < moved("zero3")
+    assert moved("hsdp", 4) == pytest.approx(4 * moved("hsdp"))  # every micro-batch
+    one_node = cost.Setup("full", "hsdp", False, 2048, local_ranks=4)
+    assert cost.traffic(shape, one_node, 4).wire_bytes == 0  # nothing crosses nodes
+
+
+def test_hsdp_steps_the_optimizer_over_a_nodes_shard_hpz_over_every_rank() -> None:
+    shape = SHAPES["1.5b"]
+    one = cost.features(shape, cost.Setup("full", "zero3", False, 2048), 1)["optimizer"]
+    for stage, shards in (("hsdp", 4), ("zero3_hpz", 8), ("zero3", 8)):
+        setup = cost.Setup("full", stage, False, 2048, local_ranks=4)
+        assert cost.features(shape, setup, 8)["optimizer"] == pytest.approx(one / shards), stage
+
+
+def test_hybrid_memory_hsdp_holds_a_node_replica_hpz_a_second_weight_copy() -> None:
+    def memory(world: int, nproc: int) -> Memory:
+        shape = DATA["shapes"]["1.5b"]
+        return Memory(
+            params=shape["params"],
+            finetuning="full",
+            shape=None,
+            world=world,
+            coefficients={"ddp_bucket_bytes_per_param": 4.0, "unknown_shape_reserve": 0.0},
+            budget=None,
+            nproc=nproc,
+        )
+
+    two_by_four = memory(8, 4)
+    zero3, hsdp = two_by_four.state("zero3"), two_by_four.state("hsdp")
+    assert hsdp > zero3  # split over 4 ranks instead of 8
+    assert hsdp == pytest.approx(memory(4, 4).state("zero3"))  # one node's ZeRO-3
+    extra = two_by_four.state("zero3_hpz") - zero3
+    margin = mm.COEFFICIENTS["margin"]
+    assert extra == pytest.approx(BF16 / 4 * DATA["shapes"]["1.5b"]["params"] * margin)
+
+
+def hybrid_plan(cluster: list[dict], **extra: Any) -> dict:
+    """make_plan with every stage the action accepts (schema.DEEPSPEED_STAGES)."""
+    settings = {**SETTINGS, "stages": list(DEEPSPEED_STAGES)}
+    return make_plan(cluster=cluster, settings=settings, finetuning_type="full", **extra)
+
+
+def hybrid_cluster(gbps: float, nproc: int = 8) -> list[dict]:
+    cluster = nodes(2, nproc=nproc, gib=RTX4090_GIB)
+    for node in cluster:
+        node["links"] = node_links({}, gbps)
+    return cluster
+
+
+def test_on_two_nodes_of_eight_4090s_hpz_wins_and_zero3_is_the_runner_up() -> None:
+    plan = make_plan(cluster=hybrid_cluster(100), finetuning_type="full")
+    assert plan["deepspeed"] == "zero3_hpz"
+    runner = next(line for line in plan["summary"] if line.startswith("Runner-up"))
+    assert runner.startswith("Runner-up: deepspeed=zero3, "), runner
+    assert "weights gathered" in runner
+    assert plan["environment"] == {}
+    assert plan["sharded"] is True
+
+
+def test_the_go_no_go_weighs_the_hybrid_stages_and_names_hsdp_when_it_refuses() -> None:
+    with pytest.raises(PlanError) as refused:
+        make_plan("qwen2.5-1.5b", cluster=hybrid_cluster(10), finetuning_type="full")
+    message = str(refused.value)
+    assert "Refused before launch: 2 nodes would train slower than 1" in message
+    assert "plan deepspeed=hsdp, " in message  # the fastest of all, hybrids included, loses
+    assert "fewer nodes: 1" in message
+
+
+def test_hybrid_stages_are_no_candidates_with_one_process_per_node() -> None:
+    plan = make_plan(cluster=hybrid_cluster(100, nproc=1), finetuning_type="full")
+    assert plan["deepspeed"] not in ("zero3_hpz", "hsdp")
+    with pytest.raises(PlanError, match="deepspeed=hsdp shards inside a node") as refused:
+        hybrid_plan(hybrid_cluster(100, nproc=1), deepspeed="hsdp")
+    assert "Ask for deepspeed=fsdp" in str(refused.value)
+    with pytest.raises(PlanError, match="Ask for deepspeed=zero3"):
+        hybrid_plan(nodes(1, nproc=8), deepspeed="zero3_hpz")
+
+
+def test_hsdp_asked_for_sets_accelerates_strategy_in_every_ranks_environment() -> None:
+    plan = hybrid_plan(hybrid_cluster(100), deepspeed="hsdp")
+    assert plan["deepspeed"] == "hsdp"
+    assert plan["environment"] == {"FSDP_SHARDING_STRATEGY": "HYBRID_SHARD"}
+    args = train_args(plan, "/runs/r")
+    assert args["fsdp"] == "hybrid_shard auto_wrap"
+    assert args["fsdp_config"] == "/runs/r/fsdp_config.json"
+    assert "deepspeed" not in args
+
+
+# ---- the lab's go/no-go: CPU nodes planned as GPUs for the prediction only (issue 39) -----------
+def emulated_lab(profile: str = "rtx4090", **extra: Any) -> dict:
+    """The 2 x 2 CPU lab with cluster_planning_profile, on a 10 Gbit/s link: the tiny model's
+    plan (a Qwen2 shape, LoRA)."""
+    cluster = nodes(2, nproc=2, accelerator="cpu")
+    for node in cluster:
+        node["links"] = node_links({}, 10.0)
+        node["planning_profile"] = profile
+    settings = {**SETTINGS, "planning_profiles": TRAINING["training_planning_profiles"]}
+    params_b = model_params(SMALL) / 1e9
+    return make_plan(
+        "tiny", cluster=cluster, model_config=SMALL, model_params_b=params_b, settings=settings,
+        **extra,
+    )  # fmt: skip
+
+
+def test_a_cpu_lab_planned_as_4090s_is_refused_by_the_go_no_go_saying_it_is_emulated() -> None:
+    with pytest.raises(PlanError) as refused:
+        emulated_lab()
+    message = str(refused.value)
+    assert message.startswith(
+        "Emulated (cluster_planning_profile=rtx4090: these CPU nodes planned as NVIDIA GeForce "
+        "RTX 4090 GPUs for the prediction only; they train on their CPUs): Refused before launch"
+    ), message
+    assert "fewer nodes: 1 (python train_runner.py train --model tiny --nodes 1" in message
+    assert '-e \'{"train_args": {"gradient_accumulation_steps": 4}}\'' in message
+
+
+def test_each_way_out_of_the_emulated_refusal_passes_and_the_run_stays_a_cpu_run() -> None:
+    for way in (
+        {"allow_slow_scaling": True},
+        {"train_args": {"gradient_accumulation_steps": 4}},
+    ):
+        plan = emulated_lab(**way)
+        assert plan["performance"]["emulated"] == "rtx4090"
+        assert plan["accelerator"] == "cpu"  # what trains: the CPU plan
+        assert plan["deepspeed"] == "none"
+        lines = [x for x in plan["summary"] if x.startswith("Emulated (cluster_planning_profile")]
+        assert any("Predicted (planner/cost.py" in x for x in lines), plan["summary"]
+        assert any("Scaling (predicted, per added node)" in x for x in lines), plan["summary"]
+    # Fewer nodes: one node of two processes is planned without a go/no-go (nothing to cross).
+    cluster = nodes(1, nproc=2, accelerator="cpu")
+    cluster[0]["planning_profile"] = "rtx4090"
+    settings = {**SETTINGS, "planning_profiles": TRAINING["training_planning_profiles"]}
+    one = make_plan(
+        "tiny", cluster=cluster, model_config=SMALL, settings=settings,
+        model_params_b=model_params(SMALL) / 1e9,
+    )  # fmt: skip
+    assert one["performance"]["emulated"] == "rtx4090"
+
+
+def test_an_unknown_or_mixed_planning_profile_is_refused_naming_the_variable() -> None:
+    with pytest.raises(PlanError, match="cluster_planning_profile=gtx1080 is no planning profile"):
+        emulated_lab("gtx1080")
+    cluster = nodes(2, accelerator="cpu")
+    cluster[0]["planning_profile"] = "rtx4090"
+    with pytest.raises(PlanError, match="name different planning profiles"):
+        make_plan("tiny", cluster=cluster)

@@ -276,6 +276,8 @@ def test_train_refuses_any_limit_naming_it_before_contacting_a_node(tmp_path: Pa
     assert rc != 0
     assert f"so it cannot run under --limit (got --limit {limit}); nothing was changed" in text
     assert "python train_runner.py scaling --model M" in text
+    # The way out the go/no-go names for fewer nodes too (issue 39).
+    assert "python train_runner.py train --model M --nodes N" in text
     assert "UNREACHABLE" not in out
     assert "Check the request" not in out  # refused by the first play, before the plan
 
@@ -593,9 +595,9 @@ def test_explicit_node_ranks_are_used():
         (topology([], ["a"]), {"a": {}}, "exactly one host (found: none)"),
         (topology(["a", "b"], []), {"a": {}, "b": {}}, "exactly one host (found: a, b)"),
         (
-            {"cluster": ["a", "b"], "master": ["a"], "workers": []},
-            {"a": {}, "b": {}},
-            "neither in 'master' nor in 'workers'",
+            {"cluster": ["a", "b", "c"], "master": ["a"], "workers": ["b"]},
+            {"a": {}, "b": {}, "c": {}},
+            "c in 'cluster' but neither in 'master' nor in 'workers'",
         ),
         (
             topology(["a"], ["b"]),
@@ -647,3 +649,58 @@ def test_processes_per_node_must_be_a_positive_whole_number(nproc):
 def test_gpu_node_without_gpus_or_nproc_fails():
     with pytest.raises(AnsibleFilterError, match="reports no GPUs"):
         cluster.node_nproc({"inventory_hostname": "gpu1", "ansible_local": {}})
+
+
+def test_a_node_whose_facts_list_no_gpu_is_told_to_set_cluster_accelerator_cpu():
+    # Issue 39: the lab's CPU nodes in a tutorial's inventory were refused without naming it.
+    facts = {"llama_host": {"gpus": [], "gpu_count": 0}}
+    with pytest.raises(AnsibleFilterError, match="set cluster_accelerator=cpu for the cluster"):
+        cluster.node_nproc({"inventory_hostname": "lab1", "ansible_local": facts})
+
+
+# ---- an inventory of the group cluster alone (a tutorial's [cluster] of addresses) ---------------
+@pytest.mark.parametrize(
+    ("inventory", "hostvars", "ranks"),
+    [
+        # the first host of cluster is the master, the others workers in inventory order
+        ({"cluster": ["c", "a", "b"]}, {}, {"c": 0, "a": 1, "b": 2}),
+        # ... unless a host is named: the group master, or node_rank=0
+        ({"cluster": ["c", "a", "b"], "master": ["b"]}, {}, {"b": 0, "c": 1, "a": 2}),
+        (
+            {"cluster": ["c", "a"]},
+            {"c": {"node_rank": "1"}, "a": {"node_rank": "0"}},
+            {"a": 0, "c": 1},
+        ),
+        # workers named, no master: the host of cluster that is not a worker
+        ({"cluster": ["a", "b"], "workers": ["a"]}, {}, {"b": 0, "a": 1}),
+    ],
+)
+def test_the_group_cluster_alone_makes_its_first_host_the_master(inventory, hostvars, ranks):
+    hostvars = {h: hostvars.get(h, {}) for h in inventory["cluster"]}
+    assert cluster.cluster_ranks(inventory, hostvars) == ranks
+    report = cluster.inventory_report(inventory, hostvars)
+    assert report["problems"] == [], report["message"]
+
+
+def test_a_tutorial_ini_of_the_group_cluster_alone_passes_the_check(tmp_path: Path):
+    # As a tutorial writes it: addresses, a user and a key file, no [master] or [workers]. The
+    # check passes and the plays that follow see node1 as the master (they then find the nodes
+    # unreachable: they do not exist).
+    text = "[cluster]\nnode1\nnode2\n[cluster:vars]\nansible_user=ubuntu\n"
+    rc, out = run("playbooks/status.yml", ini(tmp_path, text))
+    assert "does not describe a cluster" not in out, out[-3000:]
+    assert "node1: master" in out, out[-3000:]
+    assert "node2: workers" in out, out[-3000:]
+    # status.yml asks the master (node1) for the runs: the first node it tries to reach.
+    asked = out.split("List the runs on the master", 1)[-1]
+    assert "fatal: [node1]: UNREACHABLE" in asked, out[-3000:]
+    assert rc != 0
+
+
+def test_global_ranks_follow_node_rank_then_local_rank():
+    hostvars = {"a": {"nproc_per_node": 2}, "b": {"nproc_per_node": 3}, "c": {"gpu_ids": [4]}}
+    assert cluster.global_ranks(topology(["b"], ["a", "c"]), hostvars) == {
+        "b": [0, 1, 2],
+        "a": [3, 4],
+        "c": [5],
+    }

@@ -261,6 +261,26 @@ def test_status_lines_say_step_loss_eta_and_restarts():
     )
 
 
+def test_status_and_failure_name_every_rank_of_a_node_that_runs_several():
+    # Issue 39: two processes per node; the job's spec names their global ranks (torchrun's RANK).
+    hostvars = _hostvars(
+        node1={"ranks": [_rank("node1", "master", "failed", reason=REASON, ranks=[0, 1])]},
+        node2={"ranks": [_rank("node2", "worker", "failed", reason=REASON, ranks=[2, 3])]},
+    )
+    outcome = job_status(["node1", "node2"], hostvars, "node1", "__job_status", "r")
+    assert outcome["nodes"]["node2"]["ranks"] == [2, 3]
+    lines = job_status_lines(outcome)
+    assert "  node1 (node rank 0, ranks 0-1): failed" in lines
+    assert "  node2 (node rank 1, ranks 2-3): failed" in lines
+    message = job_failure_message(outcome, {"node1": 0, "node2": 1})
+    assert message.startswith("Job r failed on node2 (node rank 1, ranks 2-3): its command ended")
+    assert protocol.ranks_text([5]) == "rank 5"
+    assert protocol.ranks_text([0, 2, 3]) == "ranks 0, 2, 3"
+    # The node's status as llama-job prints it carries them back unchanged.
+    back = protocol.JobStatus.from_dict(outcome)
+    assert back.nodes["node1"].ranks == (0, 1)
+
+
 # ---- an ended run: outcome, steps, final loss, time, restarts, where to continue -------------
 OUT = "/runs/r/output"
 KILLED = {**REASON, "exit_status": -9, "message": "its command ended, killed by signal 9"}
@@ -859,3 +879,43 @@ def test_status_after_find_run_works_out_the_checkpoint_every_node_holds(tmp_pat
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:]
     assert "RESUME checkpoint-4" in done.stdout
+
+
+def test_a_nodes_log_splits_into_one_log_per_rank_with_the_agents_lines_in_each():
+    text = (
+        "[llama-job 10:00:00] job r rank 1 (worker), attempt 1\n"
+        "W1205 torchrun: Setting OMP_NUM_THREADS\n"
+        "[rank2]:loading the model\n"
+        "[rank3]:loading the model\n"
+        "[rank3]:[rank3]: Traceback (most recent call last):\n"
+        "[llama-job 10:00:09] restart: attempt 2 resumes from checkpoint-10\n"
+        "[rank2]:Resuming training from checkpoint\n"
+    )
+    logs = job_filters.job_rank_logs(text)
+    assert sorted(logs) == ["2", "3"]
+    assert logs["2"].splitlines() == [
+        "[llama-job 10:00:00] job r rank 1 (worker), attempt 1",
+        "loading the model",
+        "[llama-job 10:00:09] restart: attempt 2 resumes from checkpoint-10",
+        "Resuming training from checkpoint",
+    ]
+    assert logs["3"].splitlines()[-2:] == [
+        "[rank3]: Traceback (most recent call last):",
+        "[llama-job 10:00:09] restart: attempt 2 resumes from checkpoint-10",
+    ]
+    assert "OMP_NUM_THREADS" not in "".join(logs.values())  # the launcher's line: the node's log
+    assert job_filters.job_rank_logs("no rank printed anything\n") == {}
+
+
+def test_the_ranks_line_names_every_node_in_rank_order():
+    status = {
+        "job": "r",
+        "phase": "succeeded",
+        "nodes": {
+            "b": {"phase": "succeeded", "rank": 1, "ranks": [2, 3]},
+            "a": {"phase": "succeeded", "rank": 0, "ranks": [0, 1]},
+        },
+    }
+    line = job_filters.job_ranks_line(status)
+    assert line == "a: ranks 0-1 (node rank 0); b: ranks 2-3 (node rank 1)"
+    assert job_filters.job_ranks_line({"job": "r", "phase": "succeeded", "nodes": {}}) == ""

@@ -119,3 +119,29 @@ def test_the_spec_bounds_the_rotation(tmp_path: Path):
     for bad in ({"max_bytes": 10}, {"keep": 0}, {"keep": True}):
         with pytest.raises(job_spec.Refused, match="log_rotate"):
             job_spec.parse_spec("spec", {**raw, "log_rotate": bad})
+
+
+def test_the_rank_torchrun_names_as_the_first_to_fail_is_read_from_its_summary():
+    # Issue 39, on the lab (two ranks per node): local rank 1 of node 2 killed; torchrun ended its
+    # sibling (SIGTERM) and named the first failure last, under "Root Cause".
+    text = "\n".join(
+        [
+            "Failures:",
+            "[1]:",
+            "  time      : 2026-12-05_04:07:48",
+            "  host      : i39lab-node2",
+            "  rank      : 2 (local_rank: 0)",
+            "  exitcode  : -15 (pid: 4961)",
+            "------------------------------------------------------------",
+            "Root Cause (first observed failure):",
+            "[0]:",
+            "  time      : 2026-12-05_04:07:48",
+            "  host      : i39lab-node2",
+            "  rank      : 3 (local_rank: 1)",
+            "  exitcode  : -9 (pid: 4962)",
+        ]
+    )
+    assert logs.failed_rank(text) == "rank 3 (local rank 1)"
+    assert logs.failed_rank("ChildFailedError: no summary") == ""
+    # The summary's rank lines are error lines too: the failure names the processes.
+    assert "  rank      : 3 (local_rank: 1)" in logs.first_error_lines(text)

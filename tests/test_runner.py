@@ -29,9 +29,11 @@ from llama_runner.scaling import (
     MEASURE_ARGS,
     Point,
     Scaling,
+    first_nodes,
     master_only,
     one_node_inventory,
     pinned,
+    ranked_nodes,
 )
 from train_runner import (
     DEFAULT_INVENTORY,
@@ -604,6 +606,25 @@ def test_the_master_only_copy_loads_in_ansible_with_the_inventorys_group_vars(tm
     assert graph["_meta"]["hostvars"]["node1"]["cluster_setting"] == 2
 
 
+def test_first_nodes_keeps_the_nodes_of_the_lowest_ranks_and_refuses_a_count_out_of_range(
+    tmp_path: Path,
+):
+    # train --nodes N: the way out the go/no-go names for fewer nodes (issue 39).
+    inventory = tmp_path / "hosts.yml"
+    inventory.write_text(THREE_NODES)
+    with first_nodes(inventory, 2) as (copy, kept):
+        assert kept == ["node1", "node2"]
+        document = yaml.safe_load(copy.read_text())
+        assert copy.name.startswith(".")
+    assert not copy.exists()
+    cluster = document["all"]["children"]["cluster"]
+    assert cluster["vars"] == {"nproc_per_node": 1}
+    assert cluster["children"]["workers"]["hosts"] == {"node2": None}
+    for count in (0, 4):
+        with pytest.raises(InvalidInput, match="has 3 nodes"), first_nodes(inventory, count):
+            pass
+
+
 def test_master_only_refuses_a_directory_or_a_file_that_is_not_yaml(tmp_path: Path):
     with pytest.raises(InvalidInput, match="one YAML file"), master_only(tmp_path):
         pass
@@ -769,8 +790,11 @@ def test_lab_provision_reports_every_node(provisioned: Cluster):
 def test_lab_scaling_trains_the_plan_on_every_node_then_on_the_master_alone(
     provisioned: Cluster,
     lab_hosts: list[str],
+    lab_ranks: dict[str, list[int]],
 ):
     nodes = len(lab_hosts)
+    world = sum(len(r) for r in lab_ranks.values())  # the lab runs two processes per node
+    master = len(lab_ranks[lab_hosts[0]])
     events: list[dict] = []
     progress: list[train_runner.TrainProgress] = []
     # Two watched runs through train(): a progress line every 2 s reaches both callbacks.
@@ -789,8 +813,9 @@ def test_lab_scaling_trains_the_plan_on_every_node_then_on_the_master_alone(
         assert summary.controller_dir.is_dir()
         assert summary.controller_dir.name == summary.run_id
         assert summary.loss_plot is None or summary.loss_plot.is_file()
-    assert (scaling.every.nodes, every.nnodes, every.world_size) == (nodes, nodes, nodes)
-    assert (scaling.one.nodes, one.nnodes, one.world_size) == (1, 1, 1)
+    assert (scaling.every.nodes, every.nnodes, every.world_size) == (nodes, nodes, world)
+    assert (scaling.one.nodes, one.nnodes, one.world_size) == (1, 1, master)
+    assert every.ranks == {h: tuple(r) for h, r in lab_ranks.items()}  # the summary names them
     assert one.run_id != every.run_id
     # The same plan: the runs differ in their node count alone.
     assert pinned(one) == pinned(every)
@@ -886,10 +911,46 @@ def test_lab_killed_rank_raises_playbook_failed_naming_the_node(
         assert run_units(host, run_ids[-1]) == "", host
 
 
+def tutorial_ini(path: Path, inventory: Path, *extra: str) -> Path:
+    """The lab as a tutorial's INI inventory: a [cluster] group of the nodes' addresses, the
+    user and the key file (the lab's known_hosts standing in for the user's own); no master or
+    workers group, and `extra` lines under [cluster:vars]."""
+    document = yaml.safe_load(inventory.read_text())
+    settings = document["all"]["vars"]
+    hosts = ranked_nodes(inventory)
+    hostvars = {
+        host: vars_
+        for group in ("master", "workers")
+        for host, vars_ in (document["all"]["children"]["cluster"]["children"][group]["hosts"]
+                            or {}).items()
+    }  # fmt: skip
+    lines = ["[cluster]", *(hostvars[h]["ansible_host"] for h in hosts), "", "[cluster:vars]"]
+    lines += [
+        f"ansible_user={settings['ansible_user']}",
+        f"ansible_ssh_private_key_file={settings['ansible_ssh_private_key_file']}",
+        "ansible_become=true",
+        f"ansible_ssh_common_args='{settings['ansible_ssh_common_args']}'",
+        *extra,
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 @pytest.mark.lab
 @needs_train
-def test_lab_cli_train_shows_progress_and_exits_0_then_2(provisioned: Cluster):
-    ok = cli("train", "--model", "tiny")
+def test_lab_cli_train_shows_progress_and_exits_0_then_2(provisioned: Cluster, tmp_path: Path):
+    # Issue 39: the lab as a tutorial writes an inventory. Without saying the nodes train on
+    # their CPUs it is refused naming the one setting that fixes it; with it (and the lab's two
+    # processes per node), the first address is the master and the run trains.
+    bare = tutorial_ini(tmp_path / "hosts.ini", DEFAULT_INVENTORY)
+    refused = cli("-i", str(bare), "plan", "--model", "tiny")
+    said = " ".join((refused.stdout + refused.stderr).split())
+    assert refused.returncode == EXIT_INVALID_INPUT, said[-3000:]
+    assert "set cluster_accelerator=cpu for the cluster" in said, said[-3000:]
+    ini = tutorial_ini(
+        tmp_path / "hosts.ini", DEFAULT_INVENTORY, "cluster_accelerator=cpu", "nproc_per_node=2"
+    )
+    ok = cli("-i", str(ini), "train", "--model", "tiny")
     assert ok.returncode == EXIT_OK, ok.stdout[-3000:]
     assert "step " in ok.stdout
     assert "loss " in ok.stdout

@@ -28,10 +28,13 @@ TRAIN_PYTHON = Path(
 MODELS = sorted(
     yaml.safe_load((ROOT / "group_vars/all/models.yml").read_text())["models_catalogue"]
 )
-STAGES = ["none", "zero0", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "fsdp"]
+STAGES = [
+    *("none", "zero0", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "fsdp"),
+    *("zero3_hpz", "hsdp"),  # issue 39: hybrid, on these 2 nodes of 8 processes
+]
 # Every stage for a full fine-tune and a LoRA one; every other model (its template, LoRA target,
 # layer class) at ZeRO-2, which test_train_yaml_reads_like_a_hand_written_file reads. Rendering
-# is a playbook run per model, the slowest part of the suite: this keeps it to 22 renders.
+# is a playbook run per model, the slowest part of the suite: this keeps it to 29 renders.
 ALL_STAGES_FOR = ("qwen2.5-0.5b", "qwen-7b")
 PAIRS = [(m, s) for m in MODELS for s in (STAGES if m in ALL_STAGES_FOR else ["zero2"])]
 ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
@@ -193,6 +196,24 @@ def test_rendered_configs_are_accepted_by_llamafactory_deepspeed_and_accelerate(
     if stage == "fsdp":
         assert verdict["fsdp_config.json"] == "ok full_shard,auto_wrap"
         assert "FSDP" in verdict["accelerate.yaml"]
+    if stage == "hsdp":
+        assert verdict["fsdp_config.json"] == "ok hybrid_shard,auto_wrap"
+        assert "FSDP" in verdict["accelerate.yaml"]
+
+
+def test_the_hybrid_stages_shard_over_a_nodes_processes(rendered: dict) -> None:
+    # ZeRO++ hpZ: the secondary partition is one node's 8 processes.
+    ds = json.loads((rendered[("qwen-7b", "zero3_hpz")] / "ds_config.json").read_text())
+    assert ds["zero_optimization"]["zero_hpz_partition_size"] == 8
+    assert ds["zero_optimization"]["stage"] == 3
+    # HSDP: FSDP's hybrid shard, said in train.yaml, accelerate.yaml and the ranks' environment
+    # (accelerate 1.11 takes the strategy from FSDP_SHARDING_STRATEGY alone).
+    run = rendered[("qwen-7b", "hsdp")]
+    assert yaml.safe_load((run / "train.yaml").read_text())["fsdp"] == "hybrid_shard auto_wrap"
+    config = yaml.safe_load((run / "accelerate.yaml").read_text())
+    assert config["fsdp_config"]["fsdp_sharding_strategy"] == "HYBRID_SHARD"
+    assert (run / "fsdp_config.json").is_file()
+    assert not (run / "ds_config.json").exists()
 
 
 @pytest.mark.parametrize("name", CARD_RUNS)
@@ -307,6 +328,8 @@ def expected(stage: str, bucket: int, overlap: bool) -> dict[str, Any]:
         # New with issue 38 (ZeRO-Offload proper): stage 2 with the optimizer on the host.
         "zero2_offload": {**zero2, "offload_optimizer": offload},
         "zero3": zero3(overlap),
+        # New with issue 39 (ZeRO++ hpZ): stage 3 with a node's processes as the partition.
+        "zero3_hpz": {**zero3(overlap), "zero_hpz_partition_size": 4},
         "zero3_offload": {**zero3(overlap), "offload_optimizer": offload, "offload_param": offload},
     }[stage]
     return {**COMMON, "zero_optimization": zero}
@@ -331,6 +354,7 @@ def deepspeed_rendered(
                     "render_root": str(out),
                     "run_config_ds_bucket_size": bucket,
                     "run_config_ds_overlap_comm": overlap,
+                    "run_config_plan": {"nproc_per_node": 4},
                 }
             ),
         ],
@@ -344,7 +368,7 @@ def deepspeed_rendered(
 
 
 @pytest.mark.parametrize(
-    "stage", ["zero0", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
+    "stage", ["zero0", "zero1", "zero2", "zero2_offload", "zero3", "zero3_hpz", "zero3_offload"]
 )
 def test_one_template_renders_what_the_per_stage_templates_did(
     deepspeed_rendered: tuple[Path, int, bool], stage: str
@@ -356,7 +380,9 @@ def test_one_template_renders_what_the_per_stage_templates_did(
 def test_every_deepspeed_stage_has_its_data(deepspeed_rendered: tuple[Path, int, bool]) -> None:
     out, _, _ = deepspeed_rendered
     stages = sorted(p.stem for p in out.glob("*.json"))
-    assert stages == ["zero0", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
+    assert stages == [
+        *("zero0", "zero1", "zero2", "zero2_offload", "zero3", "zero3_hpz", "zero3_offload")
+    ]
 
 
 # -- The run_config_files filter, which feeds llama_files (tests/test_llama_files.py) the run

@@ -152,6 +152,9 @@ def test_mixed_process_counts_are_refused(tmp_path: Path) -> None:
     )
     out = _fails_before_nodes(inventory, "-e", "model=tiny")
     assert "different numbers of processes (a: 2, b: 1)" in out
+    # Issue 39: planned nodes are of one shape; the way out is one variable, named with its value.
+    assert "Set nproc_per_node=1 for the whole cluster" in out
+    assert "or leave b out of the cluster group" in out
 
 
 def test_ranks_that_do_not_add_up_are_refused(tmp_path: Path) -> None:

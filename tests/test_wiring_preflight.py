@@ -367,3 +367,79 @@ def test_the_module_refuses_what_is_not_an_address() -> None:
     )
     assert done.returncode == 1
     assert "'master.example' is not an IP address" in done.stdout
+
+
+# ---- several processes on one node: /dev/shm, locked memory, P2P (issue 39) -------------------
+def ipc(size: int | None = 8192, free: int | None = None, *, memlock: object = "unlimited") -> dict:
+    shm = {"path": "/dev/shm", "exists": size is not None, "writable": True, "fstype": "tmpfs"}
+    if size is not None:
+        shm.update(size_mib=size, free_mib=size if free is None else free)
+    return {"shm": shm, "memlock": {"soft": memlock, "hard": memlock}}
+
+
+def test_dockers_64_mb_of_shm_is_refused_on_a_gpu_node_of_several_processes_naming_the_fix():
+    verdict = preflight.preflight_ranks(ipc(64), "gpu1", 8)
+    assert not verdict["ok"]
+    problem = verdict["problem"]
+    assert "gpu1 runs 8 processes but its /dev/shm holds 64 MiB" in problem
+    assert "less than the 1024 MiB" in problem
+    for fix in ("--shm-size=1g", "--ipc=host", "NCCL_SHM_DISABLE", "preflight_shm_min_mib"):
+        assert fix in problem, fix
+    assert "/dev/shm 64 MiB (64 MiB free, tmpfs)" in verdict["line"]
+
+
+@pytest.mark.parametrize(
+    ("probe", "nproc", "accelerator", "ok"),
+    [
+        (ipc(64), 1, "nvidia", True),  # one process: nothing shared
+        (ipc(64), 2, "cpu", True),  # gloo over TCP: nothing asked of /dev/shm
+        (ipc(2048), 8, "nvidia", True),
+        (ipc(None), 2, "nvidia", False),  # no /dev/shm at all
+        (ipc(4096, free=100), 4, "nvidia", False),  # others' segments fill it
+    ],
+)
+def test_shared_memory_is_asked_for_only_where_a_nodes_processes_share_it(
+    probe: dict, nproc: int, accelerator: str, ok: bool
+):
+    verdict = preflight.preflight_ranks(probe, "n", nproc, accelerator=accelerator)
+    assert verdict["ok"] is ok, verdict
+
+
+def test_the_minimum_is_a_setting_and_a_cpu_node_is_checked_when_it_is_set():
+    assert not preflight.preflight_ranks(ipc(64), "lab1", 2, accelerator="cpu", min_mib=1024)["ok"]
+    assert preflight.preflight_ranks(ipc(64), "gpu1", 2, min_mib=32)["ok"]
+
+
+def test_the_line_says_the_locked_memory_and_the_p2p_decision():
+    off = {"nccl_p2p_disable": True, "reason": "GPUs 0 and 1 have no peer access"}
+    verdict = preflight.preflight_ranks(ipc(4096, memlock=65536), "gpu1", 2, p2p=off)
+    assert verdict["ok"]
+    assert "locked memory 64 KiB" in verdict["line"]
+    assert (
+        "P2P: off, NCCL_P2P_DISABLE=1 for its jobs (GPUs 0 and 1 have no peer access)"
+        in (verdict["line"])
+    )
+    assert "--ulimit memlock=-1" in verdict["warning"]
+    on = preflight.preflight_ranks(ipc(4096), "gpu1", 2, p2p={"nccl_p2p_disable": False})
+    assert "P2P: on between its GPUs" in on["line"]
+    assert on["warning"] == ""
+    assert (
+        "P2P: not probed (run playbooks/check.yml"
+        in preflight.preflight_ranks(ipc(4096), "gpu1", 2)["line"]
+    )
+    cpu = preflight.preflight_ranks(ipc(64), "lab1", 2, accelerator="cpu")
+    assert "P2P: none (a CPU node" in cpu["line"]
+
+
+def test_the_probe_reads_this_machines_shared_memory():
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "roles/preflight/files/ipc.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    found = yaml.safe_load(done.stdout)
+    assert found["shm"]["path"] == "/dev/shm"
+    if found["shm"]["exists"]:
+        assert found["shm"]["size_mib"] >= found["shm"]["free_mib"] >= 0
+    assert "hard" in found["memlock"]

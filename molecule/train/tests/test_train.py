@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.fault_timings import record_fault
+
 ROOT = Path(__file__).resolve().parents[3]
 # Container names carry a prefix so that two checkouts can run the scenario side by side.
 PREFIX = os.environ.get("LLAMA_MOLECULE_PREFIX", "mol")
@@ -67,8 +69,7 @@ POWER_LOSS_SLACK_S = 15
 PLAY_AFTER_VERDICT_S = 15
 
 # Every fault test's measurement, with its bound and how the bound is derived, lands in one
-# file (each run rewrites the rows it measured; not in git): docs/faults.md's table was read there.
-RESULTS = ROOT / ".cache" / "fault_timings.json"
+# file (tests/fault_timings.py: .cache/fault_timings.json): docs/faults.md's table was read there.
 
 _state: dict[str, str] = {}
 _timings: dict[str, float] = {}
@@ -288,30 +289,9 @@ def _median_step_s(records: list[str]) -> float:
 
 
 def _record(name: str, seconds: float, bound: float, derivation: str) -> None:
-    """A fault's stop time: printed, written to RESULTS (within its bound or not), asserted."""
+    """A fault's stop time: kept for the summary, written to RESULTS and asserted."""
     _timings[name] = seconds
-    print(f"{name}: every rank stopped {seconds:.1f} s after the fault (bound {bound:.0f} s)")
-    try:
-        results = json.loads(RESULTS.read_text())
-    except (OSError, ValueError):
-        results = {}
-    results.setdefault(
-        "about",
-        "Written by molecule/train/tests/test_train.py: seconds from each fault to no training "
-        "process left on any node still up (2 CPU nodes on one machine), the bound the test "
-        "asserts, how it is derived, and the load average when it was measured.",
-    )
-    results.setdefault("faults", {})[name] = {
-        "measured_s": round(seconds, 1),
-        "bound_s": round(bound, 1),
-        "bound": derivation,
-        "within_bound": seconds <= bound,
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "load_average_1m": round(os.getloadavg()[0], 1),
-    }
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
-    assert seconds <= bound, f"{name}: {seconds:.1f} s > {bound:.0f} s"
+    record_fault(name, seconds, bound, derivation)
 
 
 def _timeouts(run_id: str, node: str = MASTER) -> dict[str, float]:
@@ -366,7 +346,7 @@ def test_status_says_the_run_succeeded_not_active_exited() -> None:
     said = _said(done.stdout)
     assert f"Run {run_id}: succeeded" in said
     assert "active exited" not in said
-    assert f"{WORKER} rank 1: succeeded" in said
+    assert f"{WORKER} (node rank 1, rank 1): succeeded" in said  # its one process: rank 1
 
 
 def test_second_run_keeps_the_first_runs_output() -> None:

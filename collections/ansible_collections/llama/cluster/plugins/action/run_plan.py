@@ -277,6 +277,7 @@ class ActionModule(ActionBase):
         settings = {key: self._var(name) for key, name in TRAINING_SETTINGS.items()}
         settings["stages"] = list(DEEPSPEED_STAGES)
         settings["shared_storage"] = bool(self._var("training_shared_storage", False))
+        settings["planning_profiles"] = self._var("training_planning_profiles", {})
         hostvars, groups = self._vars["hostvars"], self._var("groups")
         checked = (asked["replan"] or {}).get("checked")
         if not checked:

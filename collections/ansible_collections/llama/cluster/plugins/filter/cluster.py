@@ -1,6 +1,7 @@
 """Jinja filters that check the inventory and derive the cluster's topology from it: the rules
-are module_utils/inventory.py (inventory_report, cluster_ranks, node_nproc, and
-environment_problems, which the inventory check, the job and the service roles share)."""
+are module_utils/inventory.py (inventory_report, cluster_groups, cluster_ranks, node_nproc,
+global_ranks, and environment_problems, which the inventory check, the job and the service roles
+share)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from typing import Any
 
 from ansible_collections.llama.cluster.plugins.module_utils.inventory import (
     HOST_SETTINGS,
+    cluster_groups,
     cluster_ranks,
     environment_problems,
+    global_ranks,
     inventory_report,
     node_nproc,
 )
@@ -17,8 +20,10 @@ from ansible_collections.llama.cluster.plugins.module_utils.inventory import (
 __all__ = [
     "HOST_SETTINGS",
     "FilterModule",
+    "cluster_groups",
     "cluster_ranks",
     "environment_problems",
+    "global_ranks",
     "inventory_report",
     "node_nproc",
 ]
@@ -31,7 +36,9 @@ class FilterModule:
         """The filters this plugin provides."""
         return {
             "inventory_report": inventory_report,
+            "cluster_groups": cluster_groups,
             "cluster_ranks": cluster_ranks,
+            "global_ranks": global_ranks,
             "node_nproc": node_nproc,
             "environment_problems": environment_problems,
         }

@@ -8,6 +8,7 @@ and return its JSON (`JobStatus.to_dict`), unchanged.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Any
@@ -21,6 +22,7 @@ from ansible_collections.llama.cluster.plugins.module_utils.llama_job.protocol i
     RunSummary,
     describe_exit,
     job_status,
+    ranks_text,
 )
 from ansible_collections.llama.cluster.plugins.module_utils.planner.checkpoints import (
     resume_point,
@@ -94,13 +96,24 @@ def job_failure_message(data: Mapping[str, Any], ranks: Mapping[str, int]) -> st
     status = JobStatus.from_dict(data)
     node = status.node or "an unknown node"
     rank = ranks.get(node, status.reason.rank if status.reason else None)
-    where = f"{node} (rank {rank})" if rank is not None else node
+    processes = status.nodes[node].ranks if node in status.nodes else ()
+    where = node_words(node, rank, processes)
     lines = [_failure_head(status, where), *_aftermath(status)]
     errors = list(status.reason.errors) if status.reason else []
     if errors:
         lines.append(f"First error lines on {node}:")
         lines.extend(f"  {line}" for line in errors[:12])
     return "\n".join(lines)
+
+
+def node_words(host: str, rank: int | None, processes: tuple[int, ...]) -> str:
+    """'node2 (node rank 1, ranks 2-3)': a node, its rank, and the global ranks of its processes
+    where the job says them; 'node2 (rank 1)' where it does not."""
+    if rank is None:
+        return host
+    if not processes:
+        return f"{host} (rank {rank})"
+    return f"{host} (node rank {rank}, {ranks_text(processes)})"
 
 
 def job_found_files(
@@ -280,9 +293,13 @@ def job_status_lines(data: Mapping[str, Any]) -> list[str]:
     lines = [head, *below]
     for host, node in sorted(status.nodes.items()):
         said = node.phase.value if node.reachable else "did not answer"
-        rank = f" rank {node.rank}" if node.rank is not None else ""
         left = " (processes left)" if node.active and node.phase.is_terminal() else ""
-        lines.append(f"  {host}{rank}: {said}{left}")
+        where = (
+            node_words(host, node.rank, node.ranks)
+            if node.ranks
+            else host + (f" rank {node.rank}" if node.rank is not None else "")
+        )
+        lines.append(f"  {where}: {said}{left}")
     for item in status.restarts:
         after = item.after
         lines.append(
@@ -292,6 +309,50 @@ def job_status_lines(data: Mapping[str, Any]) -> list[str]:
     if status.phase is Phase.FAILED and status.reason is not None:
         lines.extend(f"  | {line}" for line in status.reason.errors[:6])
     return lines
+
+
+def job_ranks_line(data: Mapping[str, Any]) -> str:
+    """'node1: ranks 0-1 (node rank 0); node2: ranks 2-3 (node rank 1)': every node's processes
+    by their global ranks, in node rank order ("" where the job does not name them)."""
+    status = JobStatus.from_dict(data)
+    nodes = sorted(
+        ((host, node) for host, node in status.nodes.items() if node.ranks),
+        key=lambda item: (item[1].rank is None, item[1].rank or 0, item[0]),
+    )
+    return "; ".join(
+        f"{host}: {ranks_text(node.ranks)}"
+        + (f" (node rank {node.rank})" if node.rank is not None else "")
+        for host, node in nodes
+    )
+
+
+# A line of a node's log that one of torchrun's local ranks printed: its prefix carries the
+# global rank (roles/job sets TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="[rank${rank}]:"); llama-job's
+# own lines (attempts, restarts) belong to every rank of the node.
+RANK_LINE = re.compile(r"^\[rank(\d+)\]:(.*)$")
+AGENT_LINE = re.compile(r"^\[llama-job")
+
+
+def job_rank_logs(text: str) -> dict[str, str]:
+    """One node's log split into one log per rank: rank (as text) -> its lines, prefix removed,
+    with the node's llama-job lines (attempt, restart, stop) in every rank's log where they fell.
+    Lines of the launchers (torchrun's, LLaMA-Factory's launcher) stay in the node's log only."""
+    ranks: dict[str, list[tuple[int, str]]] = {}
+    agent: list[tuple[int, str]] = []  # (how many rank lines came before it, the line)
+    count = 0
+    for line in str(text or "").splitlines():
+        found = RANK_LINE.match(line)
+        if found:
+            ranks.setdefault(found.group(1), []).append((count, found.group(2)))
+            count += 1
+        elif AGENT_LINE.match(line):
+            agent.append((count, line))
+    logs = {}
+    for rank, lines in ranks.items():
+        # Stable: an agent line before the rank line that came after it.
+        merged = sorted([*agent, *lines], key=lambda item: item[0])
+        logs[rank] = "\n".join(line for _, line in merged) + "\n"
+    return logs
 
 
 class FilterModule:
@@ -308,4 +369,6 @@ class FilterModule:
             "job_trainer_log": job_trainer_log,
             "job_run_summary": job_run_summary,
             "job_status_lines": job_status_lines,
+            "job_ranks_line": job_ranks_line,
+            "job_rank_logs": job_rank_logs,
         }

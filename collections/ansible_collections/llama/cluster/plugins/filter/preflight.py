@@ -133,6 +133,103 @@ def _index(value: Any) -> int | None:  # noqa: ANN401 - an inventory value
         return None
 
 
+# The locked memory NCCL needs over InfiniBand/RoCE: unlimited (LimitMEMLOCK=infinity); below
+# this many MiB the report says so (a warning: TCP and NVLink do not pin through it).
+MEMLOCK_WARN_MIB = 64
+
+
+def _mib(value: Any) -> int | None:  # noqa: ANN401 - a probe's figure
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _p2p_line(accelerator: str, p2p: Any) -> str:  # noqa: ANN401 - the llama_links fact's p2p
+    """What the node's jobs do about P2P between its GPUs (check.yml's probe decided it)."""
+    if accelerator == "cpu":
+        return "P2P: none (a CPU node: its ranks exchange over its loopback)"
+    if not isinstance(p2p, dict) or "nccl_p2p_disable" not in p2p:
+        return (
+            "P2P: not probed (run playbooks/check.yml: it probes every pair of the node's GPUs "
+            "and sets NCCL_P2P_DISABLE=1 for a node where P2P is absent or broken)"
+        )
+    if p2p["nccl_p2p_disable"]:
+        return f"P2P: off, NCCL_P2P_DISABLE=1 for its jobs ({p2p.get('reason') or 'probed'})"
+    return "P2P: on between its GPUs (probed by playbooks/check.yml)"
+
+
+def preflight_ranks(
+    probe: dict[str, Any],
+    host: str,
+    nproc: int,
+    *,
+    accelerator: str = "nvidia",
+    p2p: dict[str, Any] | None = None,
+    min_mib: int | None = None,
+) -> dict[str, Any]:
+    """Whether a node can run `nproc` training processes side by side, from files/ipc.py's probe:
+    /dev/shm, where NCCL's shared-memory transport between a node's GPUs keeps its buffers
+    (Docker's default of 64 MB is the classic failure: "unhandled system error" as NCCL creates
+    a segment), the locked-memory limit, and the P2P decision of check.yml's probe.
+
+    min_mib: the least /dev/shm a node of several processes needs (None: 1024 MiB on GPU nodes,
+    what Docker's documentation suggests for NCCL, and nothing on CPU nodes, whose ranks talk
+    over gloo's TCP). Returns ok, the refusal naming the fix (problem) and the report's line."""
+    need = (1024 if accelerator != "cpu" else 0) if min_mib is None else int(min_mib)
+    shm = probe.get("shm") if isinstance(probe.get("shm"), dict) else {}
+    memlock = probe.get("memlock") if isinstance(probe.get("memlock"), dict) else {}
+    size, free = _mib(shm.get("size_mib")), _mib(shm.get("free_mib"))
+    parts = [f"{nproc} process(es)"]
+    if not shm.get("exists", False):
+        parts.append("no /dev/shm")
+    else:
+        parts.append(f"/dev/shm {size} MiB ({free} MiB free, {shm.get('fstype') or 'not mounted'})")
+    locked = memlock.get("hard")
+    if locked is not None:
+        text = "unlimited" if locked == "unlimited" else f"{(_mib(locked) or 0) // 1024} KiB"
+        parts.append(f"locked memory {text}")
+    parts.append(_p2p_line(accelerator, p2p))
+    problem = ""
+    if nproc > 1 and need > 0:
+        fix = (
+            "start the container with --shm-size=1g (or --ipc=host), or on a server mount a "
+            "larger tmpfs (mount -o remount,size=2G /dev/shm, and in /etc/fstab); or set "
+            "cluster_environment={'NCCL_SHM_DISABLE': '1'} in the inventory (NCCL then copies "
+            f"through P2P or the network, slower); or lower preflight_shm_min_mib ({need})"
+        )
+        if not shm.get("exists") or not shm.get("writable", True):
+            problem = (
+                f"{host} runs {nproc} processes but has no writable /dev/shm, where NCCL's "
+                f"shared-memory transport and the DataLoader's workers put their buffers: {fix}."
+            )
+        elif size is not None and size < need:
+            problem = (
+                f"{host} runs {nproc} processes but its /dev/shm holds {size} MiB (Docker's "
+                f'default is 64 MB: NCCL fails creating a segment there, "unhandled system '
+                f'error"), less than the {need} MiB this check asks for: {fix}.'
+            )
+        elif free is not None and free < need // 2:
+            problem = (
+                f"{host} runs {nproc} processes but only {free} of its {size} MiB of /dev/shm "
+                f"are free (other processes' segments: ls -la /dev/shm): free them, or {fix}."
+            )
+    warning = ""
+    if (
+        accelerator != "cpu"
+        and locked not in (None, "unlimited")
+        and (_mib(locked) or 0) < MEMLOCK_WARN_MIB << 20
+    ):
+        warning = (
+            f"{host}: locked memory is limited to {(_mib(locked) or 0) // 1024} KiB: NCCL over "
+            "InfiniBand/RoCE needs it unlimited (a container: --ulimit memlock=-1; llama-job "
+            "raises it up to this hard limit)"
+        )
+    return {
+        "ok": not problem,
+        "problem": problem,
+        "warning": warning,
+        "line": f"{host}: " + "; ".join(parts),
+    }
+
+
 class FilterModule:
     """The preflight's filters."""
 
@@ -141,4 +238,5 @@ class FilterModule:
         return {
             "preflight_consistency": preflight_consistency,
             "preflight_gpu_ids": preflight_gpu_ids,
+            "preflight_ranks": preflight_ranks,
         }

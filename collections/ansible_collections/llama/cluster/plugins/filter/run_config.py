@@ -24,6 +24,10 @@ from ansible_collections.llama.cluster.plugins.module_utils.planner.schema impor
 
 # The stages that train with a ds_config.json (the role's are the keys of its vars/main.yml).
 DEEPSPEED_FILES = tuple(stage for stage in DEEPSPEED_STAGES if stage.startswith("zero"))
+# The stages that train with FSDP (fsdp_config.json), and train.yaml's fsdp for each: hsdp shards
+# inside a node and replicates across nodes (FSDP's HYBRID_SHARD: its shard group is the GPUs a
+# node's ranks see, which train.yml limits to them).
+FSDP_STAGES = {"fsdp": "full_shard auto_wrap", "hsdp": "hybrid_shard auto_wrap"}
 
 # train.yaml's sections, in order; an argument in none of them goes under "other settings".
 TRAIN_YAML_SECTIONS = [
@@ -129,8 +133,8 @@ def train_args(
         args["trust_remote_code"] = True
     if plan["deepspeed"] in deepspeed_stages:
         args["deepspeed"] = f"{run_dir}/ds_config.json"
-    if plan["deepspeed"] == "fsdp":
-        args["fsdp"] = "full_shard auto_wrap"
+    if plan["deepspeed"] in FSDP_STAGES:
+        args["fsdp"] = FSDP_STAGES[plan["deepspeed"]]
         args["fsdp_config"] = f"{run_dir}/fsdp_config.json"
     if pretokenize and not args.get("streaming"):
         args["tokenized_path"] = f"{run_dir}/tokenized"
@@ -162,6 +166,14 @@ def train_yaml(
     comments = {
         **TRAIN_YAML_COMMENTS,
         "deepspeed": f"ZeRO stage chosen for this run: {plan['deepspeed']}",
+        **(
+            {
+                "fsdp": "shard inside each node, replicate across nodes (the environment's "
+                "FSDP_SHARDING_STRATEGY=HYBRID_SHARD makes accelerate do it)"
+            }
+            if plan["deepspeed"] == "hsdp"
+            else {}
+        ),
         "gradient_accumulation_steps": (
             f"effective batch = per-device x this x world size = {plan['effective_batch']}"
         ),

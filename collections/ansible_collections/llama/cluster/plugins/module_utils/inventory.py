@@ -321,6 +321,40 @@ def cluster_nodes(groups: Mapping[str, list[str]]) -> list[str]:
     return list(dict.fromkeys(nodes))
 
 
+def named_master(groups: Mapping[str, list[str]], hostvars: Mapping[str, Any]) -> str | None:
+    """The master of an inventory whose group cluster names none ([cluster] alone, as a
+    tutorial writes it): the host that sets node_rank 0, else the first host of cluster that is
+    not a worker. None where the inventory has a master, or no cluster group to take one from."""
+    if groups.get("master") or not groups.get("cluster"):
+        return None
+    workers = set(groups.get("workers") or [])
+    candidates = [h for h in groups["cluster"] if h not in workers]
+    for host in candidates:
+        value = _lookup(hostvars, host, "node_rank") if host in hostvars else MISSING
+        if value is not MISSING and str(value).strip() == "0":
+            return host
+    return candidates[0] if candidates else None
+
+
+def cluster_groups(
+    groups: Mapping[str, list[str]], hostvars: Mapping[str, Any] | None = None
+) -> dict[str, list[str]]:
+    """The inventory's groups with master and workers filled in where the group cluster leaves
+    them out: without a master, `named_master` is it; without workers, every other host of
+    cluster is one, in inventory order. What roles/inventory_check adds in memory (add_host)
+    for the plays that follow, and what every rule below reads."""
+    found = {name: list(members or []) for name, members in groups.items()}
+    cluster = found.get("cluster") or []
+    if not cluster:
+        return found
+    master = named_master(found, hostvars or {})
+    if master is not None:
+        found["master"] = [master]
+    if found.get("master") and not found.get("workers"):
+        found["workers"] = [h for h in cluster if h not in found["master"]]
+    return found
+
+
 def _found(groups: Mapping[str, list[str]]) -> str:
     """The groups the inventory has, for a message."""
 
@@ -458,10 +492,11 @@ def inventory_report(
     their facts too with `compare_facts`: only facts just read, as train.yml's node play does; a
     cached fact may predate a fix of the inventory). Returns the nodes, the problems (empty when
     the inventory is fine) and a message that lists them with what was expected and found."""
-    problems = _group_problems(groups)
     nodes = cluster_nodes(groups)
     # Ansible computes a host's variables on every hostvars[host]: once per node is enough.
     hostvars = {host: hostvars[host] for host in nodes}
+    groups = cluster_groups(groups, hostvars)
+    problems = _group_problems(groups)
     settings: dict[str, dict[str, Any]] = {}
     for host in nodes:
         settings[host], host_problems = _host_settings(host, hostvars)
@@ -498,8 +533,10 @@ def cluster_ranks(groups: Mapping[str, list[str]], hostvars: Mapping[str, Any]) 
     """Map every node to its node rank.
 
     The one host of `master` is rank 0; `workers` follow in inventory order, unless hosts set
-    `node_rank`. Raises a filter error that names the problem and the fix.
+    `node_rank`; an inventory of the group cluster alone takes its master and workers from it
+    (cluster_groups). Raises a filter error that names the problem and the fix.
     """
+    groups = cluster_groups(groups, hostvars)
     problems = _group_problems(groups)
     if problems:
         raise AnsibleFilterError(" ".join(problems))
@@ -538,9 +575,31 @@ def node_nproc(hostvars: Mapping[str, Any]) -> int:
     if hostvars.get("cluster_accelerator", "nvidia") == "cpu":
         return 1
     count = int(facts.get("gpu_count", 0) or 0)
+    if count < 1 and isinstance(facts.get("gpus"), list):
+        raise AnsibleFilterError(
+            f"{host} has no NVIDIA GPU (provision.yml found none on its PCI bus) and "
+            "cluster_accelerator is nvidia: to train on its CPUs, set cluster_accelerator=cpu "
+            "for the cluster (e.g. [cluster:vars] in an INI inventory)."
+        )
     if count < 1:
         raise AnsibleFilterError(
             f"{host} reports no GPUs and sets no "
             "nproc_per_node: run provision.yml (it records the GPUs) or set nproc_per_node."
         )
     return count
+
+
+def global_ranks(
+    groups: Mapping[str, list[str]], hostvars: Mapping[str, Any]
+) -> dict[str, list[int]]:
+    """Every node's training processes as torchrun numbers them (RANK): nodes in rank order,
+    then each node's processes in local order (LOCAL_RANK 0, 1, ...), so a node's ranks start
+    after the processes of every node ranked before it. Raises as cluster_ranks and node_nproc
+    do."""
+    ranks = cluster_ranks(groups, hostvars)
+    found, first = {}, 0
+    for host in sorted(ranks, key=ranks.__getitem__):
+        count = node_nproc({"inventory_hostname": host, **dict(hostvars[host])})
+        found[host] = list(range(first, first + count))
+        first += count
+    return found

@@ -139,8 +139,9 @@ options:
     default: false
   deepspeed:
     description:
-      - auto, none, zero0, zero1, zero2, zero2_offload, zero3, zero3_offload or fsdp (default
-        training_deepspeed).
+      - auto, none, zero0, zero1, zero2, zero2_offload, zero3, zero3_hpz (ZeRO++ hpZ),
+        zero3_offload, fsdp or hsdp (FSDP's hybrid shard) (default training_deepspeed); the
+        hybrid zero3_hpz and hsdp need several nodes of several processes each.
     type: str
   quantization_bit:
     description:

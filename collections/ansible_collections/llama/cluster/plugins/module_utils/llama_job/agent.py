@@ -178,8 +178,8 @@ class NodeAgent:
     def reported(self, ended: Ended) -> tuple[str, Failure]:
         """The message and record of a failure the command's output reported."""
         message = f"its command reported a failure ({ended.reported})"
-        if ended.code is not None:
-            message += f": a process {describe_exit(ended.code)}"
+        if ended.code is not None:  # issue 39: which of the node's ranks, where torchrun says
+            message += f": {ended.failed_rank or 'a process'} {describe_exit(ended.code)}"
         self.say(f"attempt {self.attempt}: {self.explained(message, ended.cause)}")
         reason = self.failure(
             FailureKind.EXITED,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .logs import expand, first_error_lines, reported_exit_status
+from .logs import expand, failed_rank, first_error_lines, reported_exit_status
 from .oom import (
     cuda_oom,
     host_oom_cause,
@@ -47,6 +47,7 @@ class Ended:
     cause: dict[str, Any] | None = None
     aborted: bool = False  # ended on purpose (an abort, a stop)
     reported: str = ""  # the give-up line, when the output said it first
+    failed_rank: str = ""  # the process the launcher names first ("rank 3 (local rank 1)")
 
 
 class Command:
@@ -214,7 +215,7 @@ class Command:
         # the process that failed is what the output reports (a rank killed: signal 9).
         return Ended(
             reported_exit_status(text), first_error_lines(text), self.failure_cause(None), False,
-            hit.strip()[:160],
+            hit.strip()[:160], failed_rank(text),
         )  # fmt: skip
 
     def failure_cause(self, code: int | None) -> dict[str, Any] | None:

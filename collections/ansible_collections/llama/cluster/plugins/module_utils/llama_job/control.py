@@ -165,6 +165,7 @@ def new_record(
         "job": spec.job,
         "host": spec.host,
         "rank": spec.rank,
+        "ranks": list(spec.ranks),
         "unit": unit_name(spec.job, spec.rank),
         "supervisor": supervisor,
         "user": args.user,

@@ -12,7 +12,8 @@ from typing import Any
 
 # Lines worth showing from a failed node's log, and those that only echo another node's failure.
 ERROR_LINE = re.compile(
-    r"error|exception|traceback|killed|signal \d|sig[a-z]+\)|exitcode|failed|out of memory",
+    r"error|exception|traceback|killed|signal \d|sig[a-z]+\)|exitcode|failed|out of memory|"
+    r"\(local_rank: \d+\)",  # torchrun's summary names the process that failed: its rank
     re.IGNORECASE,
 )
 NOISE_LINE = re.compile(r"^\s*(warnings\.warn|warn\(|[-=]{8,}\s*$)", re.IGNORECASE)
@@ -47,6 +48,21 @@ def reported_exit_status(text: str) -> int | None:
     found = [int(code) for code in REPORTED_EXIT.findall(text)]
     failed = [code for code in found if code != 0]
     return failed[-1] if failed else None
+
+
+# torchrun's ChildFailedError summary: the process whose failure came first, by its global rank.
+ROOT_CAUSE = re.compile(
+    r"Root Cause[^\n]*\n(?:.*\n){0,4}?\s*rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)"
+)
+
+
+def failed_rank(text: str) -> str:
+    """'rank 3 (local rank 1)': the process torchrun names as the first to fail ("" if none)."""
+    found = ROOT_CAUSE.findall(text)
+    if not found:
+        return ""
+    rank, local = found[-1]
+    return f"rank {rank} (local rank {local})"
 
 
 def is_peer_symptom(errors: list[str]) -> bool:

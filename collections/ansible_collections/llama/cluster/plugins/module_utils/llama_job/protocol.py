@@ -248,6 +248,21 @@ def _strings(value: object) -> tuple[str, ...]:
     return tuple(str(v) for v in value) if isinstance(value, list | tuple) else ()
 
 
+def _ranks(value: object) -> tuple[int, ...]:
+    found = value if isinstance(value, list | tuple) else ()
+    return tuple(r for r in found if _int(r) is not None)
+
+
+def ranks_text(ranks: Iterable[int]) -> str:
+    """'rank 3', 'ranks 2-3', 'ranks 0, 2, 5' (a node's processes, as status names them)."""
+    found = list(ranks)
+    if len(found) == 1:
+        return f"rank {found[0]}"
+    if found and found == list(range(found[0], found[0] + len(found))):
+        return f"ranks {found[0]}-{found[-1]}"
+    return "ranks " + ", ".join(str(r) for r in found)
+
+
 def _mapping(value: object) -> dict[str, Any]:
     return dict(value) if isinstance(value, Mapping) else {}
 
@@ -352,9 +367,12 @@ class RankStatus:
 
     job: str
     host: str
-    rank: int
+    rank: int  # the node's rank
     role: str  # master or worker
     phase: Phase
+    # The global ranks (torchrun's RANK) of the node's processes, in local order (LOCAL_RANK
+    # 0, 1, ...); empty where the job does not say (a service, a job of an older llama-job).
+    ranks: tuple[int, ...] = ()
     supervisor: str = ""
     unit: str = ""
     log: str = ""
@@ -387,6 +405,7 @@ class RankStatus:
             rank=_int(data.get("rank")) or 0,
             role=str(data.get("role") or ("master" if data.get("rank") == 0 else "worker")),
             phase=Phase.of(data.get("phase")),
+            ranks=_ranks(data.get("ranks")),
             supervisor=str(data.get("supervisor") or ""),
             unit=str(data.get("unit") or ""),
             log=str(data.get("log") or ""),
@@ -489,6 +508,7 @@ def rank_status(
         rank=rank,
         role=str(state.get("role") or ("master" if rank == 0 else "worker")),
         phase=phase,
+        ranks=_ranks(record.get("ranks")),
         supervisor=str(record["supervisor"]),
         unit=str(record["unit"]),
         log=str(record["log"]),
@@ -535,6 +555,7 @@ class NodeStatus:
     log: str | None = None
     exit_status: int | None = None
     supervisor: str | None = None
+    ranks: tuple[int, ...] = ()  # the global ranks of its processes (RankStatus.ranks)
 
     def to_dict(self) -> dict[str, Any]:
         """Its JSON."""
@@ -547,6 +568,7 @@ class NodeStatus:
             phase=rank.phase,
             active=rank.active,
             rank=rank.rank,
+            ranks=rank.ranks,
             unit=rank.unit,
             log=rank.log,
             exit_status=rank.exit_status,
@@ -567,6 +589,7 @@ class NodeStatus:
             log=_text(given.get("log")),
             exit_status=_int(given.get("exit_status")),
             supervisor=_text(given.get("supervisor")),
+            ranks=_ranks(given.get("ranks")),
         )
 
 

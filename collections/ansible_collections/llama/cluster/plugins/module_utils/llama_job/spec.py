@@ -117,6 +117,9 @@ class JobSpec:
     # The node's log is rotated past log_max_bytes, log_keep rotated files kept (logs.rotate_log).
     log_max_bytes: int = DEFAULT_ROTATE["max_bytes"]
     log_keep: int = DEFAULT_ROTATE["keep"]
+    # The global ranks (torchrun's RANK) of this node's processes, in local order: what status
+    # names (empty for a job that is not torchrun's, such as a service).
+    ranks: tuple[int, ...] = ()
 
     @property
     def is_master(self) -> bool:
@@ -187,6 +190,15 @@ def _log_rotate(path: str, raw: Mapping[str, Any]) -> tuple[int, int]:
     return size, keep
 
 
+def _ranks(path: str, raw: Mapping[str, Any]) -> tuple[int, ...]:
+    given = raw.get("ranks") or []
+    if not isinstance(given, list) or not all(
+        isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in given
+    ):
+        raise Refused(f"{path}: ranks must be a list of non-negative integers")
+    return tuple(given)
+
+
 def _master(raw: Mapping[str, Any]) -> Master:
     given = raw.get("master") if isinstance(raw.get("master"), Mapping) else {}
     return Master(host=str(given.get("host", raw["host"])), address=str(given.get("address", "")))
@@ -239,6 +251,7 @@ def parse_spec(path: str, raw: Mapping[str, Any]) -> JobSpec:
         resume=bool(raw.get("resume", False)),
         log_max_bytes=log_max_bytes,
         log_keep=log_keep,
+        ranks=_ranks(path, raw),
     )
 
 

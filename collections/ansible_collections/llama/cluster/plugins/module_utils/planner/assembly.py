@@ -28,10 +28,19 @@ from .errors import TRAINING_FILE, PlanError
 from .links import run_link
 from .memory import GIB, Memory, gib_text
 from .model import find_model, resolve_model
-from .nodes import check_nodes
+from .nodes import check_nodes, emulated_nodes
 from .rules import apply_rules, check_rules
 from .schema import Settings, check_project_settings, check_request
-from .search import SEARCH_STAGES, Option, Search, Tries, assess, ranked
+from .search import (
+    HYBRID,
+    SEARCH_STAGES,
+    Option,
+    Search,
+    Tries,
+    assess,
+    hybrid_applies,
+    ranked,
+)
 from .summary import summary
 from .techniques import (
     NUMERICS_EVIDENCE,
@@ -430,6 +439,7 @@ def assemble(
         nproc=nproc,
         on_cpu=accelerator == "cpu",
     )
+    check_hybrid(request, memory, len(nodes))
     train_args = request["train_args"]
     facts = {
         "accelerator": accelerator,
@@ -479,7 +489,13 @@ def assemble(
         nnodes=len(nodes),
         nproc=nproc,
         allow_slow=bool(request.get("allow_slow_scaling")),
+        model_name=request.get("model"),
     )
+    emulated = emulated_nodes(nodes, data.planning_profiles) if accelerator == "cpu" else None
+    if emulated is not None:
+        performance, performance_lines = emulated_performance(
+            request, model, emulated, ranks=ranks, datasets=datasets, settings=settings
+        )
     decisions["deepspeed"] = stage_why
     decisions["technique"] = _technique_line(search, technique, request["numerics"], available)
     environment: dict[str, str] = {}
@@ -492,6 +508,7 @@ def assemble(
             )
         fp8_args, environment, decisions["fp8"] = choose_fp8(nodes, accelerator, stage)
         args = {**args, **fp8_args}
+    environment.update(stage_environment(stage))
     micro = int(args.get("per_device_train_batch_size", 1))
     accumulation = int(args.get("gradient_accumulation_steps", 1))
     if accelerator == "cpu":
@@ -592,6 +609,57 @@ def _cpu_memory(memory: Memory, nodes: Sequence[Mapping[str, Any]], data: Settin
         return memory
     usable = smallest["host_memory_gib"] * GIB * float(data.memory["host_usable_fraction"])
     return replace(memory, budget=usable / max(1, memory.nproc))
+
+
+# The lines of a plan that say its prediction and its go/no-go.
+PREDICTION_LINES = ("Predicted", "Runner-up", "Link between nodes", "Scaling")
+
+
+def emulated_performance(
+    request: Mapping[str, Any],
+    model: Mapping[str, Any],
+    emulated: tuple[list[dict[str, Any]], str],
+    *,
+    ranks: Mapping[str, int],
+    datasets: Sequence[Mapping[str, Any]],
+    settings: Mapping[str, Any],
+) -> tuple[dict[str, Any], list[str]]:
+    """A CPU cluster's prediction and go/no-go, planned as the GPU nodes of its planning profile
+    (nodes.emulated_nodes): the emulated plan's performance and its lines, each saying so. Its
+    refusal (the go/no-go, or what does not fit such GPUs) is raised the same way."""
+    nodes, what = emulated
+    said = f"Emulated ({what})"
+    name = what.split("=", 1)[1].split(":", 1)[0]
+    try:
+        planned = assemble(request, model=model, nodes=nodes, ranks=ranks, datasets=datasets,
+                           settings={**settings, "planning_profiles": {}})  # fmt: skip
+    except PlanError as refused:
+        raise PlanError(f"{said}: {refused}") from None
+    lines = [f"{said}: {line}" for line in planned["summary"] if line.startswith(PREDICTION_LINES)]
+    return {**planned["performance"], "emulated": name}, lines
+
+
+def check_hybrid(request: Mapping[str, Any], memory: Memory, nnodes: int) -> None:
+    """A hybrid stage asked for (-e deepspeed=zero3_hpz or hsdp) where it has nothing to split
+    between inside a node and across nodes: refused, naming what it needs and what to ask
+    instead."""
+    asked = request.get("deepspeed") or "auto"
+    if asked in HYBRID and not hybrid_applies(memory):
+        instead = "fsdp" if asked == "hsdp" else "zero3"
+        raise PlanError(
+            f"deepspeed={asked} shards inside a node and replicates across nodes: it needs "
+            f"several nodes of several processes each, and this cluster is {nnodes} node(s) x "
+            f"{memory.nproc} process(es). Ask for deepspeed={instead} (the same sharding over "
+            "every rank), or leave deepspeed to the planner. Nothing was changed on any node."
+        )
+
+
+def stage_environment(stage: str) -> dict[str, str]:
+    """What a stage needs in every rank's environment. hsdp: accelerate 1.11 takes FSDP's
+    sharding strategy from FSDP_SHARDING_STRATEGY (default FULL_SHARD) and ignores the
+    hybrid_shard that transformers 5.6 passes it from train.yaml (measured on the lab: without
+    it every rank shards over the whole world)."""
+    return {"FSDP_SHARDING_STRATEGY": "HYBRID_SHARD"} if stage == "hsdp" else {}
 
 
 def _records(

@@ -30,6 +30,9 @@ untied input embedding, which is a lookup; N_t the trainable ones; L layers) cos
   dequantization of the 4-bit linear weights for every micro-batch (A N_linear x `qlora`);
 - communication (`communication`): the bytes each stage moves per step over the slowest link,
   ring arithmetic, plus a latency per collective and `comm_fixed` per step on more than one rank.
+  The hybrid stages (ZeRO++ hpZ, FSDP's hybrid shard: several ranks per node) move part of their
+  bytes between a node's own ranks only; those are not counted on the link (their cost on the
+  node's bus is what ZeRO-3's `zero3` term measured on one GPU), only what crosses nodes.
 
 The grid (tests/data/memory_grid.json) trained every point with accumulation 1, so which share of
 a per-parameter term is paid per micro-batch and which per step follows DeepSpeed's mechanism
@@ -101,14 +104,16 @@ HALF_BYTES, FULL_BYTES = 2.0, 4.0
 # ZeRO-3: both measured only as what they resemble).
 COST_STAGE = {"none": "none", "zero0": "none", "zero1": "zero1", "zero2": "zero2",
               "zero2_offload": "zero2_offload", "zero3": "zero3", "fsdp": "zero3",
-              "zero3_offload": "zero3_offload"}  # fmt: skip
+              "zero3_offload": "zero3_offload", "zero3_hpz": "zero3",
+              "hsdp": "zero3"}  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Setup:
     """What a step's time depends on besides the model: fine-tuning type, DeepSpeed stage,
     checkpointing, tokens of one micro-batch, micro-batches per optimizer step, LoRA rank, and
-    whether the run trains in 16-bit precision (bf16 or fp16; False: fp32, as on CPUs)."""
+    whether the run trains in 16-bit precision (bf16 or fp16; False: fp32, as on CPUs), and the
+    ranks of one node (the hybrid stages shard over them)."""
 
     finetuning: str
     stage: str
@@ -118,6 +123,7 @@ class Setup:
     lora_rank: int = 8
     half: bool = True
     technique: Technique = PLAIN
+    local_ranks: int = 1
 
     @property
     def engine_bytes(self) -> float:
@@ -175,7 +181,8 @@ def features(shape: Shape, setup: Setup, world: int = 1) -> dict[str, float]:
         terms["zero3_layer"] = a * shape.layers
         return terms
     optimizer = "optimizer_8bit" if setup.technique.optim == "adamw_8bit" else "optimizer"
-    terms[optimizer] = trainable if measured == "none" else trainable / max(1, world)
+    shards = setup.local_ranks if setup.stage == "hsdp" else world  # hsdp: a node's ranks
+    terms[optimizer] = trainable if measured == "none" else trainable / max(1, shards)
     if measured == "none" and kind == "full":  # autocast casts the fp32 weights to bf16
         terms["cast"] = a * shape.params
     if measured == "zero2":
@@ -264,10 +271,41 @@ def traffic(shape: Shape, setup: Setup, world: int) -> Traffic:
             "gradients all-reduced every micro-batch, weights gathered once per step",
         )
     weights = shape.params * setup.engine_bytes
+    if setup.stage in ("zero3_hpz", "hsdp"):
+        return hybrid_traffic(shape, setup, world, weights, grads)
     return Traffic(
         a * (2 * half * weights + half * grads),
         a * (2 * shape.layers + buckets),
         "weights gathered forward and backward and gradients reduce-scattered, every micro-batch",
+    )
+
+
+def hybrid_traffic(shape: Shape, setup: Setup, world: int, weights: float, grads: float) -> Traffic:
+    """What the hybrid stages move between nodes per optimizer step (their gathers inside a node
+    are not on the link), on `world` ranks of `setup.local_ranks` per node.
+
+    ZeRO++ hpZ (zero3_hpz): ZeRO-3's forward all-gather and gradient reduce-scatter over every
+    rank, every micro-batch; the backward's all-gather comes from the node's secondary copy.
+    FSDP's hybrid shard (hsdp): inside a node, ZeRO-3's gathers and reduce-scatter; across nodes
+    each rank all-reduces its 1/local shard of the gradients with the same shard of every other
+    node, every micro-batch (the trainer's accumulation was not measured), the node's ranks
+    sharing its link: the link carries a ring all-reduce of the whole gradients over the nodes."""
+    a = float(setup.accumulation)
+    n = float(world)
+    buckets = max(1.0, grads / COMMUNICATION["ds_bucket_bytes"])
+    if setup.stage == "zero3_hpz":
+        return Traffic(
+            a * (n - 1) / n * (weights + grads),
+            a * (shape.layers + buckets),
+            "weights gathered for the forward across nodes (the backward's from the node's own "
+            "copy) and gradients reduce-scattered, every micro-batch",
+        )
+    nodes = max(1.0, n / max(1, setup.local_ranks))
+    return Traffic(
+        a * 2 * (nodes - 1) / nodes * grads,
+        a * buckets,
+        "gradient shards all-reduced across nodes every micro-batch (the gathers stay inside "
+        "each node)",
     )
 
 

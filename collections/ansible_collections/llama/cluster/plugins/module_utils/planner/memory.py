@@ -14,13 +14,18 @@ Several processes are extrapolated from it by how each stage splits its per-para
   whole, the fp32 master weights and AdamW are split;
 - zero2_offload: as zero2 on the GPU; host memory holds 1/world of the optimizer's state;
 - zero3: everything per-parameter is split over the world;
-- zero3_offload: nothing per-parameter on the GPU; host memory holds 1/world of the offload.
+- zero3_offload: nothing per-parameter on the GPU; host memory holds 1/world of the offload;
+- zero3_hpz (ZeRO++ hpZ): zero3's split over the world, plus a second copy of the bf16 weights
+  split over the node's own ranks (the backward gathers them there, not across nodes);
+- hsdp (FSDP's hybrid shard): zero3's state split over the node's own ranks only (each node
+  holds a whole replica).
 
 The memory-saving techniques (planner/techniques.py: 8-bit AdamW, Liger, QLoRA) were measured
 with plain DDP on one GPU (tests/data/cards_grid.json); `technique` is the candidate's.
 
-Fine-tuning `freeze` is planned as LoRA (frozen bf16 bulk; not measured), `zero0` as none and
-`fsdp` as zero3.
+Fine-tuning `freeze` is planned as LoRA (frozen bf16 bulk; not measured), `zero0` as none,
+`fsdp` as zero3 and the hybrid stages from zero3's measured terms as above (measured on the CPU
+lab for speed only: bench/links.py, BENCHMARKS.md section 11).
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ GIB = 1024**3
 BF16 = 2.0  # bytes of a bf16 weight: what ZeRO-2 keeps whole on every rank
 MEASURED_STAGE = {"none": "none", "zero0": "none", "zero1": "zero2", "zero2": "zero2",
                   "zero2_offload": "zero2_offload", "zero3": "zero3", "fsdp": "zero3",
-                  "zero3_offload": "zero3_offload"}  # fmt: skip
+                  "zero3_offload": "zero3_offload", "zero3_hpz": "zero3",
+                  "hsdp": "zero3"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -79,7 +85,11 @@ class Memory:
             key = f"{moment}/{group}"
             if key not in c:
                 continue
-            if MEASURED_STAGE[stage] == "zero3":
+            if stage == "hsdp":  # a whole replica per node, split over its ranks
+                c[key] = c[key] / max(1, self.nproc)
+            elif stage == "zero3_hpz":  # and the node's secondary copy of the bf16 weights
+                c[key] = c[key] / world + BF16 / max(1, self.nproc)
+            elif MEASURED_STAGE[stage] == "zero3":
                 c[key] = c[key] / world
             elif stage == "zero1":  # the gradients stay whole beside the weights until the step
                 c[key] = 2 * BF16 + (c[key] - 2 * BF16) / world

@@ -78,6 +78,12 @@ def node_gpu_memory(host: str, hostvars: Any) -> tuple[float | None, str]:  # no
     GPU (MIG, a card other work uses) is planned for as the user says."""
     if node_accelerator(hostvars) == "cpu":
         return None, "CPU node"
+    if local_facts(hostvars).get("gpus") == []:
+        raise PlanError(
+            f"{host} has no NVIDIA GPU (provision.yml found none on its PCI bus) and "
+            "cluster_accelerator is nvidia: to train on its CPUs, set cluster_accelerator=cpu for "
+            "the cluster (e.g. [cluster:vars] in an INI inventory)."
+        )
     knob = _knob(host, hostvars, "gpu_memory_gib")
     if knob is not None:
         return knob, "gpu_memory_gib (inventory or -e), over the facts"
@@ -463,6 +469,8 @@ def describe_nodes(
                     local_facts(hostvars[host], "llama_links"),
                     _knob(host, hostvars[host], "link_gbps", "Gbit/s"),
                 ),
+                # A CPU node planned as a GPU node for the prediction only (assembly.py).
+                "planning_profile": str(_get(hostvars[host], "cluster_planning_profile") or ""),
             }
         )
     if problems:
@@ -490,12 +498,7 @@ def check_nodes(nodes: Sequence[Mapping[str, Any]]) -> tuple[str, int, int]:
         )
     counts = {int(n["nproc"]) for n in nodes}
     if len(counts) > 1:
-        listed = ", ".join(f"{n['host']}: {n['nproc']}" for n in nodes)
-        raise PlanError(
-            f"Nodes run different numbers of processes ({listed}). torchrun's static rendezvous "
-            "needs the same nproc_per_node on every node: set nproc_per_node (or gpu_ids) so that "
-            "they match, or leave the smaller nodes out of the cluster group."
-        )
+        raise PlanError(uneven_nodes_message(nodes))
     nproc = counts.pop()
     return next(iter(accelerators)), nproc, nproc * len(nodes)
 
@@ -516,3 +519,66 @@ def _is_count(value: Any) -> bool:  # noqa: ANN401 - any user value
     except (ValueError, TypeError):
         return False
     return True
+
+
+def uneven_nodes_message(nodes: Sequence[Mapping[str, Any]]) -> str:
+    """The refusal of nodes that run different numbers of processes (a node with fewer GPUs).
+
+    torchrun would run them (its rendezvous numbers each node's ranks after the processes of the
+    nodes before it) and LLaMA-Factory's data split would agree (the sampler splits the data
+    over the world size, whatever each node holds). The plan is refused all the same: the hybrid
+    candidates (HSDP, ZeRO++ hpZ) shard over a node's ranks and need as many on every node, and
+    each node's host memory, disk and the ways out of a refusal are worked out for one shape of
+    node. Setting the smallest count on every node trains on every node, leaving GPUs idle."""
+    fewest = min(int(n["nproc"]) for n in nodes)
+    listed = ", ".join(f"{n['host']}: {n['nproc']}" for n in nodes)
+    larger = [n["host"] for n in nodes if int(n["nproc"]) > fewest]
+    smaller = [n["host"] for n in nodes if int(n["nproc"]) == fewest]
+    return (
+        f"Nodes run different numbers of processes ({listed}): this planner plans nodes of one "
+        "shape (HSDP and ZeRO++ hpZ shard over a node's ranks, and memory, disk and the ways out "
+        "are worked out per node), so nothing was changed on any node. Set nproc_per_node="
+        f"{fewest} for the whole cluster (e.g. [cluster:vars] in an INI inventory: "
+        f"{', '.join(larger)} then leave {'some GPUs' if fewest > 1 else 'all but one GPU'} idle), "
+        f"or leave {', '.join(smaller)} out of the cluster group."
+    )
+
+
+def emulated_nodes(
+    nodes: Sequence[Mapping[str, Any]], profiles: Mapping[str, Any]
+) -> tuple[list[dict[str, Any]], str] | None:
+    """CPU nodes as the GPU nodes their cluster_planning_profile names (one GPU per process),
+    and what the plan says of it; None where no node names one. For the prediction and the go/no-go
+    only: the nodes still train on their CPUs. Raises on an unknown profile, or nodes that name
+    different ones."""
+    named = {str(n.get("planning_profile") or "") for n in nodes}
+    if named == {""}:
+        return None
+    if len(named) > 1:
+        listed = "; ".join(f"{n['host']}: {n.get('planning_profile') or 'none'}" for n in nodes)
+        raise PlanError(
+            f"The nodes name different planning profiles ({listed}): set "
+            "cluster_planning_profile once for the cluster (or -e cluster_planning_profile=...)."
+        )
+    name = named.pop()
+    profile = profiles.get(name)
+    if not isinstance(profile, Mapping):
+        raise PlanError(
+            f"cluster_planning_profile={name} is no planning profile: use one of "
+            f"{', '.join(sorted(profiles)) or 'none'} (training_planning_profiles, "
+            "group_vars/all/training.yml), or leave it unset."
+        )
+    return [
+        {
+            **node,
+            "accelerator": "nvidia",
+            "gpu_memory_gib": float(profile["gpu_memory_gib"]),
+            "memory_source": f"planning profile {name} ({profile.get('name', name)}, emulated)",
+            "compute_capability": profile.get("compute_capability"),
+            "planning_profile": "",
+        }
+        for node in nodes
+    ], (
+        f"cluster_planning_profile={name}: these CPU nodes planned as "
+        f"{profile.get('name', name)} GPUs for the prediction only; they train on their CPUs"
+    )

@@ -14,7 +14,7 @@ import functools
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,8 @@ from .techniques import NUMERICS, QUANTIZATION_BITS
 
 FINETUNING_TYPES = ("lora", "freeze", "full")
 # What -e deepspeed may name besides auto: plain DDP, the DeepSpeed stages roles/run_config renders
-# a ds_config.json for (its vars/main.yml), and FSDP.
+# a ds_config.json for (its vars/main.yml), and FSDP; zero3_hpz (ZeRO++ hpZ) and hsdp (FSDP's
+# hybrid shard) shard inside a node and replicate across nodes (planner/search.py: HYBRID).
 DEEPSPEED_STAGES = (
     "none",
     "zero0",
@@ -31,8 +32,10 @@ DEEPSPEED_STAGES = (
     "zero2",
     "zero2_offload",
     "zero3",
+    "zero3_hpz",
     "zero3_offload",
     "fsdp",
+    "hsdp",
 )
 LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target")
 
@@ -454,3 +457,5 @@ class Settings:
     stages: Sequence[str]
     # training_shared_storage: every rank writes its checkpoint shards to the one runs directory.
     shared_storage: bool = False
+    # training_planning_profiles: the GPUs a CPU cluster may be planned as.
+    planning_profiles: Mapping[str, Any] = field(default_factory=dict)

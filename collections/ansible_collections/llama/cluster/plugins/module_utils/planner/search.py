@@ -10,10 +10,12 @@ measured ones the numerics policy allows; a stage without techniques tries the p
 The tokens per optimizer step are the user's: every candidate splits the same rows per process
 into micro-batch x accumulation, and candidates are ranked by seconds per token.
 
-Not candidates: FSDP (never chosen, only run when asked: its cost is planned as ZeRO-3's), and
-HSDP or ZeRO++ hpZ (shards inside a node, replicas across nodes), which LLaMA-Factory 0.9.5 was
-not shown to run here: both pay only with several GPUs per node, and no such machine was lent
-(the CPU lab runs one rank per node; bench/links.py ran ZeRO-2 and ZeRO-3 there over gloo).
+The hybrid stages (HYBRID: ZeRO++ hpZ and FSDP's hybrid shard, HSDP) shard inside a node and
+replicate across nodes: candidates of a full fine-tune only where every node runs several ranks
+and there are several nodes (`hybrid_applies`); elsewhere they are ZeRO-3 or FSDP by another
+name. bench/links.py measured both against DDP, ZeRO-2 and ZeRO-3 on the CPU lab, 2 nodes x 2
+ranks over 100 Mbit/s and 1 Gbit/s (BENCHMARKS.md section 11). Not a candidate: FSDP (never
+chosen, only run when asked: its cost is planned as ZeRO-3's).
 """
 
 from __future__ import annotations
@@ -33,10 +35,20 @@ from .techniques import PLAIN, Technique
 # The stages the search tries, by fine-tuning type. ZeRO-1 and ZeRO-2 split nothing that a LoRA
 # run holds much of (its optimizer state is the adapter's), so LoRA skips them.
 SEARCH_STAGES = {
-    "full": ("none", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"),
+    "full": ("none", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "zero3_hpz",
+             "hsdp"),
     "lora": ("none", "zero3", "zero3_offload"),
     "freeze": ("none", "zero3", "zero3_offload"),
-}
+}  # fmt: skip
+# Shard inside a node, replicate across nodes: only where a node has several ranks.
+HYBRID = ("zero3_hpz", "hsdp")
+
+
+def hybrid_applies(memory: Memory) -> bool:
+    """Whether the hybrid stages are candidates: several ranks on every node, several nodes."""
+    return memory.nproc > 1 and memory.world > memory.nproc
+
+
 MIN_EFFICIENCY = 0.6  # of linear scaling, below which train.yml refuses (issue 22)
 
 
@@ -134,6 +146,7 @@ def setup(memory: Memory, stage: str, batch: Batch, cutoff: int, lora_rank: int)
         accumulation=batch.accumulation,
         lora_rank=lora_rank,
         technique=memory.technique,
+        local_ranks=memory.nproc,
     )
 
 
@@ -152,6 +165,8 @@ def ranked(
     stage left out did not fit."""
     options, skipped = [], []
     for stage, ask in asks.items():
+        if stage in HYBRID and not hybrid_applies(memory):
+            continue  # one node, or one rank per node: ZeRO-3 or FSDP by another name
         fitted = False
         recomputes: dict[str, bool] = {}  # optimizer -> its run without Liger must recompute
         for technique in (PLAIN,) if tries is None else tries.get(stage, ()):
@@ -320,9 +335,11 @@ def assess(
     nnodes: int,
     nproc: int,
     allow_slow: bool,
+    model_name: str | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
     """The plan's predicted performance and the lines that show it; raises PlanError (the
-    go/no-go) when the nodes would not pay, unless allow_slow."""
+    go/no-go) when the nodes would not pay, unless allow_slow. `model_name` (the request's)
+    goes into the command that trains on fewer nodes."""
     if search is None or chosen is None:
         why = "CPU cluster" if memory.budget is None else "the model's shape is unknown"
         return {"predicted": False}, [
@@ -398,7 +415,16 @@ def assess(
         f"Refused before launch: {refusal} (link {link.bandwidth * 8 / 1e9:g} Gbit/s, "
         f"{link.source}; plan {chosen.label()}: {chosen.timing()}). Ways out: "
         + "; or ".join(
-            _ways_out(search, memory, chosen, scales=scales, link=link, nnodes=nnodes, nproc=nproc)
+            _ways_out(
+                search,
+                memory,
+                chosen,
+                scales=scales,
+                link=link,
+                nnodes=nnodes,
+                nproc=nproc,
+                model_name=model_name,
+            )
         )
         + ". Or train anyway with -e allow_slow_scaling=true. Nothing was changed on any node."
     )
@@ -423,6 +449,7 @@ def _ways_out(
     link: Link,
     nnodes: int,
     nproc: int,
+    model_name: str | None = None,
 ) -> list[str]:
     """What would pay, with its predicted figures: fewer nodes, LoRA, more accumulation, a
     faster link."""
@@ -430,10 +457,8 @@ def _ways_out(
     fewer = [s for s in scales[:-1] if s.tokens_per_s]
     if fewer:
         best = max(fewer, key=lambda s: s.tokens_per_s or 0.0)
-        ways.append(
-            f"fewer nodes: {best.nodes} (--limit or the cluster group) at "
-            f"{best.tokens_per_s:,.0f} tokens/s"
-        )
+        ways.append(f"fewer nodes: {best.nodes} ({fewer_nodes_command(model_name, best.nodes)}) at "
+                    f"{best.tokens_per_s:,.0f} tokens/s")  # fmt: skip
     if memory.finetuning == "full" and "none" in search.asks:
         lora = replace(memory, finetuning="lora")
         asks = {s: search.asks["none"] for s in SEARCH_STAGES["lora"]}
@@ -489,6 +514,16 @@ def _ways_out(
             else "no faster link: this plan's compute alone is slower than fewer nodes"
         )
     return ways or ["none predicted to pay on this link"]
+
+
+def fewer_nodes_command(model_name: str | None, nodes: int) -> str:
+    """The command that trains the same request on the first `nodes` nodes in node rank order
+    (train.yml refuses --limit: its plan is for every node of the inventory)."""
+    model = f" --model {model_name}" if model_name else ""
+    return (
+        f"python train_runner.py train{model} --nodes {nodes}, the same -e options; or an "
+        "inventory of those nodes alone"
+    )
 
 
 def _verdict(
