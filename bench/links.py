@@ -417,12 +417,13 @@ def prepare(work: Path, hidden: int, lines: int, nproc: int = 1) -> Shape:
 
 
 def communication(shape: Shape, row: dict[str, Any], cutoff: int) -> float:
-    """The cost model's seconds of communication per step of a row's plan (fp32, no latency:
-    tbf adds none) over the link its all-reduce measured."""
+    """The cost model's seconds of communication per step of a row's plan (fp32 over gloo, no
+    latency: tbf adds none) over the link its all-reduce measured."""
     nproc = int(row.get("nproc", 1))
     setup = cost.Setup(
-        "full", row["stage"], False, cutoff, row["accumulation"], half=False, local_ranks=nproc
-    )
+        "full", row["stage"], False, cutoff, row["accumulation"], half=False, local_ranks=nproc,
+        gloo=True,
+    )  # fmt: skip
     link = cost.Link.from_gbps(row["busbw_gbps"], 0.0, "allreduce.py, gloo")
     world = row["nodes"] * nproc
     moved = cost.traffic(shape, setup, world)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +103,12 @@ def test_ring_traffic_by_stage() -> None:
     # ZeRO-1/2: DeepSpeed all-reduces the gradient buckets (use_multi_rank_bucket_allreduce).
     assert moved("zero1", 8) == moved("zero1", 1) == pytest.approx(ring * 2 * n + half * 2 * n)
     assert moved("zero2", 8) == pytest.approx(8 * ring * 2 * n + half * 2 * n)
-    assert moved("zero3", 2) == pytest.approx(2 * 3 * half * 2 * n)
+    # ZeRO-3: the forward's gather, the backward's for the layers it does not keep, the
+    # reduce-scatter; every micro-batch.
+    again = 1 - 1e9 / (2 * n)
+    assert again == pytest.approx(cost.zero3_regathered(n))
+    assert 0.6 < again < 0.7
+    assert moved("zero3", 2) == pytest.approx(2 * half * 2 * n * (1 + again + 1))
     assert moved("none", 1, "lora") < moved("none", 1) / 100  # the adapter only
     assert cost.traffic(shape, cost.Setup("full", "zero3", False, 2048), 1).wire_bytes == 0
 
@@ -281,6 +287,29 @@ def test_the_hybrid_stages_move_less_across_nodes_than_zero3() -> None:
     assert moved("hsdp", 4) == pytest.approx(4 * moved("hsdp"))  # every micro-batch
     one_node = cost.Setup("full", "hsdp", False, 2048, local_ranks=4)
     assert cost.traffic(shape, one_node, 4).wire_bytes == 0  # nothing crosses nodes
+    # hpZ saves the backward's gather: most of it on an 8B model, none on a model ZeRO-3 keeps
+    # gathered from its forward to its backward (0.5B or fewer).
+    big, small = SHAPES["8b"], replace(shape, params=4e8)
+    for model, saved in ((big, 1 - 1e9 / (2 * big.params)), (small, 0.0)):
+        zero3, hpz = (
+            cost.traffic(model, cost.Setup("full", stage, False, 2048, local_ranks=4), 8)
+            for stage in ("zero3", "zero3_hpz")
+        )
+        assert zero3.wire_bytes - hpz.wire_bytes == pytest.approx(7 / 8 * 2 * model.params * saved)
+
+
+def test_gloo_s_reduce_scatter_moves_an_all_reduce_s_bytes() -> None:
+    # bench/links.py's probe on 2 x 2 ranks: gloo's reduce_scatter_tensor sent what its
+    # all_reduce did (66 MiB from each node for 44 MiB), its all_gather half of it; the CPU
+    # lab's ZeRO-3 and hpZ are priced so, GPUs' (NCCL) at half.
+    shape = replace(SHAPES["1.5b"], params=4e8)
+    for stage in ("zero3", "zero3_hpz"):
+        nccl, gloo = (
+            cost.traffic(shape, cost.Setup("full", stage, False, 128, half=False, local_ranks=2,
+                                           gloo=on), 4).wire_bytes
+            for on in (False, True)
+        )  # fmt: skip
+        assert gloo - nccl == pytest.approx(3 / 4 * 4 * shape.params), stage
 
 
 def test_hsdp_steps_the_optimizer_over_a_nodes_shard_hpz_over_every_rank() -> None:

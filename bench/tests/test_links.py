@@ -31,17 +31,19 @@ def row(stage: str, nproc: int, accumulation: int = 1) -> dict:
     }
 
 
-def test_two_ranks_a_node_move_more_under_ddp_and_less_under_hsdp_than_zero3():
+def test_two_ranks_a_node_move_less_under_hsdp_than_ddp_and_zero3():
     seconds = {s: links.communication(SHAPE, row(s, 2), 128) for s in
                ("none", "zero3", "zero3_hpz", "hsdp")}  # fmt: skip
     # fp32 gradients (43.6 MB) over 0.1 Gbit/s: DDP's ring over 4 ranks carries 1.5 x, HSDP's
-    # over 2 nodes 1 x; ZeRO-3 moves 3 x (W-1)/W, hpZ 2 x (W-1)/W.
+    # over 2 nodes 1 x; ZeRO-3 and hpZ 3 x (W-1)/W: the forward's gather (a model this small
+    # is not gathered again for the backward, so hpZ saves nothing) and gloo's reduce-scatter,
+    # which moves an all-reduce's bytes.
     grads = SHAPE.params * 4 * 8 / 0.1e9
     fixed = links.cost.COMMUNICATION["comm_fixed"]
     assert seconds["none"] == pytest.approx(1.5 * grads + fixed)
     assert seconds["hsdp"] == pytest.approx(grads + fixed)
     assert seconds["zero3"] == pytest.approx(0.75 * 3 * grads + fixed)
-    assert seconds["zero3_hpz"] == pytest.approx(0.75 * 2 * grads + fixed)
+    assert seconds["zero3_hpz"] == pytest.approx(seconds["zero3"])
     one_rank = links.communication(SHAPE, row("none", 1), 128)
     assert one_rank == pytest.approx(grads + fixed)  # the bench of issue 22
 

@@ -100,6 +100,19 @@ COMMUNICATION: dict[str, float] = {
 DDP_GRAD_BYTES = 4.0
 HALF_BYTES, FULL_BYTES = 2.0, 4.0
 
+# ZeRO-3 keeps a gathered weight for its backward when the forward and the backward uses are
+# closer than stage3_max_reuse_distance parameters (roles/run_config: 1e9): a layer's two uses
+# are about 2 x params x (the layers after it / all layers) apart, so the last 1e9 / (2 params)
+# of the layers are not gathered again; a model of 0.5B or fewer parameters never is
+# (bench/links.py on 2 x 2 ranks: ZeRO-3 moved what its forward gather and reduce-scatter do).
+ZERO3_REUSE_DISTANCE = 1e9
+
+
+def zero3_regathered(params: float) -> float:
+    """The share of the weights ZeRO-3 gathers again for the backward."""
+    return max(0.0, 1.0 - ZERO3_REUSE_DISTANCE / (2.0 * params)) if params > 0 else 0.0
+
+
 # The stage each cost term was measured with (zero0 is DDP under DeepSpeed, fsdp is planned as
 # ZeRO-3: both measured only as what they resemble).
 COST_STAGE = {"none": "none", "zero0": "none", "zero1": "zero1", "zero2": "zero2",
@@ -112,8 +125,9 @@ COST_STAGE = {"none": "none", "zero0": "none", "zero1": "zero1", "zero2": "zero2
 class Setup:
     """What a step's time depends on besides the model: fine-tuning type, DeepSpeed stage,
     checkpointing, tokens of one micro-batch, micro-batches per optimizer step, LoRA rank, and
-    whether the run trains in 16-bit precision (bf16 or fp16; False: fp32, as on CPUs), and the
-    ranks of one node (the hybrid stages shard over them)."""
+    whether the run trains in 16-bit precision (bf16 or fp16; False: fp32, as on CPUs), the
+    ranks of one node (the hybrid stages shard over them), and whether the collectives run over
+    gloo (CPU ranks, as on the lab) rather than NCCL."""
 
     finetuning: str
     stage: str
@@ -124,6 +138,14 @@ class Setup:
     half: bool = True
     technique: Technique = PLAIN
     local_ranks: int = 1
+    gloo: bool = False
+
+    @property
+    def reduce_scatter(self) -> float:
+        """A reduce-scatter's bytes as a multiple of its tensor's on n ranks, per (n-1)/n: gloo's
+        moves an all-reduce's (bench/links.py's collectives probe: 66 MiB from each node for a
+        44 MiB tensor on 2 x 2 ranks, as its all-reduce; an all-gather 33 MiB), NCCL's half."""
+        return 2.0 if self.gloo else 1.0
 
     @property
     def engine_bytes(self) -> float:
@@ -234,7 +256,9 @@ def traffic(shape: Shape, setup: Setup, world: int) -> Traffic:
     per step (DeepSpeed 0.19's default use_multi_rank_bucket_allreduce all-reduces the
     partitions' buckets instead of reducing each to its owner: twice a reduce-scatter's bytes,
     measured by bench/links.py); ZeRO-3 (and offload): the weights all-gathered for the forward
-    and again for the backward, and the gradients reduce-scattered, every micro-batch.
+    and, where a layer's two uses are farther apart than ZeRO-3 keeps a weight
+    (zero3_regathered), again for the backward, and the gradients reduce-scattered (over gloo at
+    an all-reduce's bytes: Setup.reduce_scatter), every micro-batch.
     DeepSpeed moves values in the run's precision (Setup.half). LoRA moves the adapter's
     gradients only, except under ZeRO-3, which shards and gathers the frozen weights too.
     """
@@ -273,10 +297,12 @@ def traffic(shape: Shape, setup: Setup, world: int) -> Traffic:
     weights = shape.params * setup.engine_bytes
     if setup.stage in ("zero3_hpz", "hsdp"):
         return hybrid_traffic(shape, setup, world, weights, grads)
+    again = zero3_regathered(shape.params)
     return Traffic(
-        a * (2 * half * weights + half * grads),
-        a * (2 * shape.layers + buckets),
-        "weights gathered forward and backward and gradients reduce-scattered, every micro-batch",
+        a * half * ((1 + again) * weights + setup.reduce_scatter * grads),
+        a * ((1 + again) * shape.layers + buckets),
+        f"weights gathered for the forward ({again:.0%} again for the backward) and gradients "
+        "reduce-scattered, every micro-batch",
     )
 
 
@@ -285,7 +311,9 @@ def hybrid_traffic(shape: Shape, setup: Setup, world: int, weights: float, grads
     are not on the link), on `world` ranks of `setup.local_ranks` per node.
 
     ZeRO++ hpZ (zero3_hpz): ZeRO-3's forward all-gather and gradient reduce-scatter over every
-    rank, every micro-batch; the backward's all-gather comes from the node's secondary copy.
+    rank, every micro-batch; the backward's all-gather comes from the node's secondary copy. It
+    saves what ZeRO-3 gathers again for the backward: nothing on a model ZeRO-3 keeps gathered
+    (zero3_regathered 0, 0.5B parameters or fewer).
     FSDP's hybrid shard (hsdp): inside a node, ZeRO-3's gathers and reduce-scatter; across nodes
     each rank all-reduces its 1/local shard of the gradients with the same shard of every other
     node, every micro-batch (the trainer's accumulation was not measured), the node's ranks
@@ -295,7 +323,7 @@ def hybrid_traffic(shape: Shape, setup: Setup, world: int, weights: float, grads
     buckets = max(1.0, grads / COMMUNICATION["ds_bucket_bytes"])
     if setup.stage == "zero3_hpz":
         return Traffic(
-            a * (n - 1) / n * (weights + grads),
+            a * (n - 1) / n * (weights + setup.reduce_scatter * grads),
             a * (shape.layers + buckets),
             "weights gathered for the forward across nodes (the backward's from the node's own "
             "copy) and gradients reduce-scattered, every micro-batch",
