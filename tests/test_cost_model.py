@@ -222,6 +222,13 @@ def test_a_10_mbit_link_refuses_zero3_and_accepts_ddp_with_accumulation() -> Non
     # Without accumulation the same link does not pay for DDP either.
     with pytest.raises(PlanError, match="more accumulation"):
         tiny_on(0.01, deepspeed="none", train_args={"per_device_train_batch_size": 1})
+    # Never a larger batch than the dataset holds, which the plan would refuse (issue 39: the
+    # 2 x 2 lab's 28 records): 3 records on 2 processes take no second micro-batch.
+    with pytest.raises(PlanError) as small:
+        tiny_on(0.01, deepspeed="none", train_args={"per_device_train_batch_size": 1},
+                dataset_records=3)  # fmt: skip
+    assert "Refused before launch" in str(small.value)
+    assert "more accumulation" not in str(small.value)
 
 
 def test_a_100_gbit_link_accepts_and_the_override_trains_anyway() -> None:

@@ -236,6 +236,7 @@ JOB_VARS = {
     "__job_p2p_disable": False,
     "job_cluster_environment": {},
     "job_environment": {},
+    "job_one_gpu_per_process": False,
 }
 PLAYBOOK = [
     {

@@ -131,12 +131,17 @@ VANISHED = {
     "exit_status": None,
     "message": "stopped answering (no heartbeat for 30 s)",
     "errors": [],
+    "silent": True,
 }
 
 
 def test_the_masters_verdict_names_the_nodes_it_gave_up():
     lost = _rank("node1", "master", "failed", reason=VANISHED)
     assert job_gone({"lead": lost, "done": True}, "node1") == ["node2"]
+    # An agent that closed its connection (killed; issue 39's lab) ended on a machine that still
+    # answers: it is asked for its log and its checkpoints.
+    closed = {**VANISHED, "silent": False, "message": "its agent closed the connection"}
+    assert job_gone({"lead": _rank("node1", "master", "failed", reason=closed)}, "node1") == []
     away = {**REASON, "kind": "exited", "away": ["node3", "node1"]}  # no comeback for a restart
     assert job_gone({"lead": _rank("node1", "master", "failed", reason=away)}, "node1") == ["node3"]
     exited = _rank("node1", "master", "failed", reason=REASON)  # a rank died: every node answers

@@ -50,14 +50,12 @@ def test_the_lab_planned_as_4090s_is_refused_and_every_way_out_the_refusal_names
         r"fewer nodes: 1 \(python train_runner.py train --model tiny (--nodes 1)", said
     )
     assert fewer, said[-3000:]
+    ways = {"fewer nodes": ["--nodes", "1"], "train anyway": ["-e", "allow_slow_scaling=true"]}
+    # A larger batch is offered only where the lab's 28 records hold it on 2 x 2 processes.
     accumulation = re.search(r"more accumulation: -e '(\{.*?\}\})'", said)
-    assert accumulation, said[-3000:]
-    asked = json.loads(accumulation.group(1))  # the refusal's own -e, as it writes it
-    ways = {
-        "fewer nodes": ["--nodes", "1"],
-        "more accumulation": ["-e", "train_args=" + json.dumps(asked["train_args"])],
-        "train anyway": ["-e", "allow_slow_scaling=true"],
-    }
+    if accumulation:
+        asked = json.loads(accumulation.group(1))  # the refusal's own -e, as it writes it
+        ways["more accumulation"] = ["-e", json.dumps(asked)]
     for way, extra in ways.items():
         done = runner("plan", "--model", "tiny", *extra, *EMULATED)
         text = " ".join((done.stdout + done.stderr).split())

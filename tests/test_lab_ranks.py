@@ -234,8 +234,15 @@ def test_the_restart_resumes_all_four_ranks_from_the_checkpoint_every_node_holds
 ) -> None:
     step = int(run["checkpoint"])
     checkpoint = f"{RUNS}/{run['run_id']}/output/checkpoint-{step}"
-    for host, found in all_ranks(lab_hosts).items():
-        assert len(found) == 2, (host, found)
+    # The master says attempt 2 runs once its launch began (and attempt 1 may have logged steps
+    # past the checkpoint): its four processes appear a moment later.
+    ranks = wait_for(
+        "attempt 2's four processes",
+        lambda: (
+            (found := all_ranks(lab_hosts)) and all(len(f) == 2 for f in found.values()) and found
+        ),
+    )
+    for host, found in ranks.items():  # type: ignore[union-attr]
         for pid in found:
             args = node(host, f"tr '\\0' ' ' < /proc/{pid}/cmdline").stdout
             assert f"resume_from_checkpoint={checkpoint}" in args, (host, args)

@@ -157,6 +157,7 @@ def test_a_vanished_node_stops_the_job(pair_factory):
     elapsed = pair.wait_ended(("m",), timeout=30)
     reason = pair.state("m")["reason"]
     assert (reason["node"], reason["kind"]) == ("w", "vanished"), pair.logs()
+    assert reason["silent"] is False  # its connection closed: the machine answers, it is asked
     assert elapsed < 10
     assert command is not None
 
@@ -169,6 +170,7 @@ def test_a_frozen_node_is_given_up_and_ends_itself_when_it_thaws(pair_factory):
     reason = pair.state("m")["reason"]
     assert (reason["node"], reason["kind"]) == ("w", "vanished"), pair.logs()
     assert "no heartbeat" in reason["message"]
+    assert reason["silent"] is True  # the plays ask it no more (job_gone)
     assert 3 <= elapsed < 12
     os.killpg(pair.procs["w"].pid, signal.SIGCONT)
     thawed = pair.wait_ended(("w",), timeout=30)

@@ -163,7 +163,9 @@ class MasterAgent(NodeAgent):
             if host in self.peers and self.peers[host].link is link:
                 self.peers[host].link = None
                 self.peer_gone(
-                    host, "its agent closed the connection (the node or its llama-job ended)"
+                    host,
+                    "its agent closed the connection (the node or its llama-job ended)",
+                    silent=False,
                 )
         elif data is not None and link is not None:
             self.on_message(link, data)
@@ -253,12 +255,13 @@ class MasterAgent(NodeAgent):
             reason = replace(reason, at_s=float(data["at_s"]))
         self.add_candidate(reason)
 
-    def peer_gone(self, host: str, why: str) -> None:
-        """A peer vanished: a failure while the job runs."""
+    def peer_gone(self, host: str, why: str, *, silent: bool = True) -> None:
+        """A peer vanished (fell silent, or closed its connection: `silent` False): a failure
+        while the job runs."""
         self.peers[host].phase = Phase.ABSENT
         self.say(f"{host}: {why}")
         if self.phase in (Phase.STARTING, Phase.RUNNING):
-            self.add_candidate(self.failure(FailureKind.VANISHED, why, node=host))
+            self.add_candidate(self.failure(FailureKind.VANISHED, why, node=host, silent=silent))
 
     def add_candidate(self, reason: Failure) -> None:
         """A failure: end this attempt on every node (once), and keep it for the verdict."""

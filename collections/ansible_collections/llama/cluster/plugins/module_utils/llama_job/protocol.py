@@ -287,6 +287,9 @@ class Failure:
     at_s: float | None = None
     attempt: int | None = None
     away: tuple[str, ...] = ()  # the nodes that did not come back for a restart
+    # The node fell silent (no heartbeat, or no end of its command): its machine may be gone.
+    # An agent that closed its connection was ended on a machine that still answers.
+    silent: bool = False
 
     @classmethod
     def now(cls, node: str | None, kind: FailureKind, message: str, **given: Any) -> Failure:  # noqa: ANN401
@@ -320,6 +323,7 @@ class Failure:
             at_s=_number(data.get("at_s")),
             attempt=_int(data.get("attempt")),
             away=_strings(data.get("away")),
+            silent=data.get("silent") is True,
         )
 
 
@@ -427,12 +431,14 @@ class RankStatus:
         )
 
     def given_up(self) -> tuple[str, ...]:
-        """The nodes this rank's agent gave up (a master's verdict): the one that vanished, and
-        those that did not come back for a restart. The plays ask them no more."""
+        """The nodes this rank's agent gave up (a master's verdict): the one that fell silent (not
+        one whose agent closed its connection: that machine still answers), and those that did
+        not come back for a restart. The plays ask them no more."""
         reason = self.reason
         if reason is None:
             return ()
-        lost = [reason.node] if reason.kind is FailureKind.VANISHED and reason.node else []
+        silent = reason.kind is FailureKind.VANISHED and reason.silent
+        lost = [reason.node] if silent and reason.node else []
         return tuple(h for h in dict.fromkeys([*lost, *reason.away]) if h != self.host)
 
     def progress_line(self) -> str:

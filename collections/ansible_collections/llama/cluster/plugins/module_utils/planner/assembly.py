@@ -490,6 +490,7 @@ def assemble(
         nproc=nproc,
         allow_slow=bool(request.get("allow_slow_scaling")),
         model_name=request.get("model"),
+        records=_records(request, args, datasets),
     )
     emulated = emulated_nodes(nodes, data.planning_profiles) if accelerator == "cpu" else None
     if emulated is not None:

@@ -20,6 +20,7 @@ chosen, only run when asked: its cost is planned as ZeRO-3's).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -336,10 +337,12 @@ def assess(
     nproc: int,
     allow_slow: bool,
     model_name: str | None = None,
+    records: int | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
     """The plan's predicted performance and the lines that show it; raises PlanError (the
     go/no-go) when the nodes would not pay, unless allow_slow. `model_name` (the request's)
-    goes into the command that trains on fewer nodes."""
+    goes into the command that trains on fewer nodes; `records` (the dataset's, where known)
+    bounds the larger batch a way out may offer."""
     if search is None or chosen is None:
         why = "CPU cluster" if memory.budget is None else "the model's shape is unknown"
         return {"predicted": False}, [
@@ -424,6 +427,7 @@ def assess(
                 nnodes=nnodes,
                 nproc=nproc,
                 model_name=model_name,
+                records=records,
             )
         )
         + ". Or train anyway with -e allow_slow_scaling=true. Nothing was changed on any node."
@@ -450,9 +454,11 @@ def _ways_out(
     nnodes: int,
     nproc: int,
     model_name: str | None = None,
+    records: int | None = None,
 ) -> list[str]:
-    """What would pay, with its predicted figures: fewer nodes, LoRA, more accumulation, a
-    faster link."""
+    """What would pay, with its predicted figures: fewer nodes, LoRA, more accumulation (never
+    more rows per optimizer step than the dataset's `records`: the plan would refuse that
+    batch), a faster link."""
     ways = []
     fewer = [s for s in scales[:-1] if s.tokens_per_s]
     if fewer:
@@ -476,6 +482,13 @@ def _ways_out(
     ask = next(iter(search.asks.values()))
     fixed = bool(ask.micro and ask.accumulation) or not ask.packing
     for times in (2, 4, 8, 16, 32, 64, 128):
+        rows = (
+            (ask.micro or 1) * (ask.accumulation or 1) * times
+            if fixed
+            else math.ceil(ask.tokens_per_step * times / max(1, ask.cutoff))
+        ) * memory.world
+        if records is not None and rows > records:
+            break  # larger batches than the dataset holds: check_dataset_batch refuses them
         if fixed:  # the split is set: more micro-batches of the same size
             more = {s: replace(a, accumulation=(a.accumulation or 1) * times) for s, a in
                     search.asks.items()}  # fmt: skip
