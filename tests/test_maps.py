@@ -7,6 +7,8 @@
 - The import rules: the planner and the supervisor import nothing outside themselves but the
   shared modules named here; a plugin type does not import another type; code that runs on the
   nodes never imports the controller's.
+- A job's phases and failure kinds are spelt once, in llama_job/protocol.py's enums: no string
+  of theirs is compared with a phase or a kind anywhere else (Python or the playbooks' Jinja).
 """
 
 from __future__ import annotations
@@ -260,3 +262,61 @@ def test_the_roles_node_scripts_import_no_project_code():
         if name.split(".")[0] in banned
     ]
     assert not found, found
+
+
+# ---- one spelling of a job's phases and failure kinds ---------------------------------------
+PROTOCOL = PLUGINS / "module_utils" / "llama_job" / "protocol.py"
+STATUS_WORDS = re.compile(r"\b(phase|kind)\b")
+
+
+def _status_values() -> set[str]:
+    """The values of Phase and FailureKind, read from protocol.py's source."""
+    tree = ast.parse(PROTOCOL.read_text(encoding="utf-8"))
+    values = set()
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name in ("Phase", "FailureKind"):
+            for item in node.body:
+                if isinstance(item, ast.Assign) and isinstance(item.value, ast.Constant):
+                    values.add(str(item.value.value))
+    return values
+
+
+def _python_sources() -> list[Path]:
+    found = [
+        *PLUGINS.rglob("*.py"),
+        *(ROOT / "llama_runner").rglob("*.py"),
+        ROOT / "train_runner.py",
+    ]
+    return [p for p in found if p != PROTOCOL and "__pycache__" not in p.parts]
+
+
+def test_a_phase_or_failure_kind_is_spelt_only_in_protocol_py() -> None:
+    # Issue 41: every comparison with a job's phase or failure kind goes through the enums (one
+    # grep for `Phase.`/`FailureKind.` finds every use); no string of theirs is compared with a
+    # phase or kind anywhere else, in Python or in the playbooks' Jinja.
+    values = _status_values()
+    assert {"running", "failed", "vanished", "stalled"} <= values
+    found = []
+    for path in _python_sources():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            words = [s.value for s in sides if isinstance(s, ast.Constant)]
+            for s in sides:
+                if isinstance(s, ast.Tuple | ast.List | ast.Set):
+                    words += [e.value for e in s.elts if isinstance(e, ast.Constant)]
+            text = ast.unparse(node)
+            if STATUS_WORDS.search(text) and values & {w for w in words if isinstance(w, str)}:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {text}")
+    jinja = re.compile(r"\b(phase|kind)\b\s*(==|!=|in)\s*\(?\[?\s*['\"](\w+)['\"]")
+    for path in [
+        *ROOT.glob("*.yml"),
+        *(ROOT / "playbooks").rglob("*.yml"),
+        *ROOT.glob("roles/*/*/*.yml"),
+    ]:
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            hit = jinja.search(line)
+            if hit and hit.group(3) in values:
+                found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not found, "\n".join(found)
