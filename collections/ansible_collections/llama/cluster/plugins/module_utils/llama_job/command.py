@@ -79,6 +79,7 @@ class Command:
     def start(self, attempt: int, extra: list[str] | None = None) -> Ended | None:
         """Start the command (with `extra` arguments); an Ended when it cannot be started."""
         self.attempt = attempt
+        self.kill_leftovers(within=1.0)  # an earlier attempt's process never meets this one
         self.offset = file_size(self.spec.log)
         self.scan_offset, self.scan_rest, self.scan_failed = self.offset, "", False
         argv = [expand(arg, self.env) for arg in self.spec.command] + list(extra or [])
@@ -141,7 +142,7 @@ class Command:
             time.sleep(0.1)
             if self.kill_deadline is not None and time.monotonic() > self.kill_deadline:
                 self.signal_tree(signal.SIGKILL)
-        self.signal_tree(signal.SIGKILL)
+        self.kill_leftovers()
 
     def processes(self) -> list[int]:
         """The job's processes on this node: the agent's session (it leads one under both
@@ -166,6 +167,17 @@ class Command:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sig)
 
+    def kill_leftovers(self, within: float = 2.0) -> None:
+        """SIGKILL what the ended command left (a rank its launcher did not end: a frozen one
+        ignores SIGTERM), again until a look finds nothing or `within` seconds passed: a rank
+        whose launcher was dying as /proc was read is found by the next look."""
+        deadline = time.monotonic() + within
+        while True:
+            self.signal_tree(signal.SIGKILL)
+            if not self.processes() or time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+
     def frozen(self) -> bool:
         """Whether a process of the command is stopped (SIGSTOP): a frozen rank."""
         if not self.running():
@@ -186,7 +198,7 @@ class Command:
         if code is None:
             return self.scan()
         self.child, self.kill_deadline = None, None
-        self.signal_tree(signal.SIGKILL)  # nothing of this attempt outlives it
+        self.kill_leftovers()  # nothing of this attempt outlives it
         self.exit_status = code
         errors = [] if code == 0 else first_error_lines(read_from(self.spec.log, self.offset))
         self.say(f"attempt {self.attempt}: the command ended, {describe_exit(code)}")

@@ -81,12 +81,17 @@ def become_subreaper() -> bool:
 def descendants(roots: list[int], uid: int | None = None) -> list[int]:
     """Every live descendant of `roots` (owned by `uid`), by parent pid: what a process started,
     in whatever session or process group it put them. torch's elastic agent starts each rank with
-    start_new_session, so a rank is in neither the agent's session nor the command's group."""
+    start_new_session, so a rank is in neither the agent's session nor the command's group.
+    A zombie links its children too: /proc read while a launcher dies may show a rank's parent
+    already a zombie and the rank not yet handed to the subreaper (such a rank was missed)."""
     children: dict[int, list[int]] = {}
+    zombies = set()
     for pid in all_pids():
         info = proc_stat(pid)
-        if info and info["state"] != "Z" and (uid is None or info["uid"] == uid):
+        if info and (uid is None or info["uid"] == uid):
             children.setdefault(info["ppid"], []).append(pid)
+            if info["state"] == "Z":
+                zombies.add(pid)
     found: list[int] = []
     frontier = list(roots)
     seen = set(roots)
@@ -94,7 +99,8 @@ def descendants(roots: list[int], uid: int | None = None) -> list[int]:
         for child in children.get(frontier.pop(), []):
             if child not in seen:
                 seen.add(child)
-                found.append(child)
+                if child not in zombies:
+                    found.append(child)
                 frontier.append(child)
     return found
 
