@@ -969,11 +969,13 @@ LONG_TINY_RUN = {
 def _interrupted_at_the_first_step(argv: list[str], progress: str) -> tuple[int, str]:
     """Train the tiny model for long with `argv`, press Ctrl-C at the first progress line (one
     every 2 s; `progress` finds it); the exit status and the whole output. The run's settings go
-    as one JSON -e, which ansible-playbook and train_runner.py both read as data."""
+    as one JSON -e, which ansible-playbook and train_runner.py both read as data. Ctrl-C as a
+    terminal sends it: to the command's whole process group (ansible-playbook's workers and their
+    ssh connections too; the main process alone could wait on a worker following the run)."""
     proc = subprocess.Popen(
         [*argv, "-e", json.dumps(LONG_TINY_RUN)],
         cwd=PROJECT_DIR, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "ANSIBLE_NOCOLOR": "1"},
+        env={**os.environ, "ANSIBLE_NOCOLOR": "1"}, process_group=0,
     )  # fmt: skip
     assert proc.stdout is not None
     lines = []
@@ -981,7 +983,7 @@ def _interrupted_at_the_first_step(argv: list[str], progress: str) -> tuple[int,
         lines.append(line)
         if re.search(progress, line):
             break
-    proc.send_signal(signal.SIGINT)
+    os.killpg(proc.pid, signal.SIGINT)
     out, _ = proc.communicate(timeout=600)
     return proc.returncode, "".join(lines) + out
 

@@ -5,10 +5,16 @@ on the nodes, one line that says so and how to follow or stop it."""
 from __future__ import annotations
 
 import atexit
+import multiprocessing
+import os
 import signal
 import time
 
 from ansible.plugins.callback.default import CallbackModule as DefaultCallback
+from ansible.utils.color import stringc
+
+# ansible-playbook's exit status for "User interrupted execution".
+EXIT_INTERRUPTED = 99
 
 DOCUMENTATION = """
     name: llama_progress
@@ -24,6 +30,10 @@ DOCUMENTATION = """
         the run goes on and how to follow or stop it), and to an empty string once it no longer
         holds. When Ctrl-C
         (SIGINT) ends ansible-playbook while a note is set, that line is printed last.
+      - While a note is set, Ctrl-C ends ansible-playbook at once, its workers ended, exit
+        status 99, the note last. Ansible's own interrupt can deadlock on the task that follows
+        the job (its result queue's reader holds the lock the cleanup waits for), and the job
+        goes on regardless.
     extends_documentation_fragment:
       - default_callback
       - result_format_callback
@@ -51,10 +61,21 @@ class CallbackModule(DefaultCallback):
 
     def _on_interrupt(self, signum: int, frame) -> None:  # noqa: ANN001 - a frame
         self._interrupted = True
+        if self._note:  # a job goes on: this play only follows it
+            self._leave_now()
         if callable(self._previous):
             self._previous(signum, frame)
         else:
             raise KeyboardInterrupt
+
+    def _leave_now(self) -> None:
+        """End ansible-playbook now, its workers first, the note last. Written straight to the
+        descriptor: the interrupted thread may hold Display's lock."""
+        for worker in multiprocessing.active_children():
+            worker.terminate()
+        note = stringc(self._note, "bright yellow")
+        os.write(2, f"\n{note}\n".encode(errors="replace"))
+        os._exit(EXIT_INTERRUPTED)
 
     def _say_note(self) -> None:
         """After an interrupt: what still runs on the nodes, and how to follow or stop it."""
