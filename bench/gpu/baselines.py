@@ -244,15 +244,22 @@ def base_phase(ctx: Ctx, key: str) -> dict[str, Any]:
     return harness.save(dest, summarise(key, goal, runs))
 
 
+def product_in(ctx: Ctx, dest: Path, goal: Goal, box: Box) -> dict[str, Any]:
+    """train.yml's run of `goal` with `box` as the product's mode for this run only."""
+    saved, ctx.mode.product = ctx.mode.product, box
+    try:
+        return product(ctx, dest, goal)
+    finally:
+        ctx.mode.product = saved
+
+
 def cd_phase(ctx: Ctx, key: str) -> dict[str, Any]:
     """(c3) and (d) alone, one after the other, each measured after its compilation."""
     goal = GOALS[key]
     dest = ctx.results / f"cd-{key}"
-    box, ctx.mode.product = ctx.mode.product, COMPILE_BOX
-    try:
-        runs: dict[str, dict[str, Any]] = {"d_train_yml": product(ctx, dest / "d_train_yml", goal)}
-    finally:
-        ctx.mode.product = box
+    runs: dict[str, dict[str, Any]] = {
+        "d_train_yml": product_in(ctx, dest / "d_train_yml", goal, COMPILE_BOX)
+    }
     prod = runs["d_train_yml"]
     cutoff = int(prod.get("rendered", {}).get("cutoff_len") or 2048)
     tokens = float(prod.get("tokens_per_step") or 8192)
@@ -298,11 +305,7 @@ def target_phase(ctx: Ctx, key: str) -> dict[str, Any]:
     goal = GOALS[key]
     cap = f"-cap{ctx.gpu_memory_gib:g}" if ctx.gpu_memory_gib else ""
     dest = ctx.results / f"target-{key}{cap}"
-    box, ctx.mode.product = ctx.mode.product, TARGET_BOX
-    try:
-        res = product(ctx, dest, goal)
-    finally:
-        ctx.mode.product = box
+    res = product_in(ctx, dest, goal, TARGET_BOX)
     target = TARGETS.get(key)
     if target and res.get("tokens_per_s"):
         res["target_tokens_per_s"] = target
@@ -315,11 +318,9 @@ def cards_phase(ctx: Ctx, key: str) -> dict[str, Any]:
     of CARD_VARIANTS, one after the other on the same GPU, each measured after compiling."""
     goal = GOALS[key]
     dest = ctx.results / f"cards{ctx.gpu_memory_gib:g}-{key}"
-    box, ctx.mode.product = ctx.mode.product, COMPILE_BOX
-    try:
-        runs: dict[str, dict[str, Any]] = {"d_train_yml": product(ctx, dest / "d_train_yml", goal)}
-    finally:
-        ctx.mode.product = box
+    runs: dict[str, dict[str, Any]] = {
+        "d_train_yml": product_in(ctx, dest / "d_train_yml", goal, COMPILE_BOX)
+    }
     prod = runs["d_train_yml"]
     cutoff = int(prod.get("rendered", {}).get("cutoff_len") or 2048)
     base = {"packing": True, "disable_gradient_checkpointing": False}
