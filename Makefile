@@ -48,9 +48,9 @@ NODE_PYTHON = $(shell find $(PLUGINS)/modules $(PLUGINS)/module_utils roles/*/fi
   find roles/*/files -type f ! -name '*.py' -exec grep -l -m1 -e '^.!.*python' {} +)
 
 # The maps that must not drift from the code (the collection's room list, the README's pointers,
-# the import rules: tests/test_maps.py) and every plugin rendered by ansible-doc
-# (tests/test_plugin_docs.py): seconds, no node, no container.
-LINT_TESTS := tests/test_maps.py tests/test_plugin_docs.py
+# the import rules: tests/unit/project/test_maps.py) and every plugin rendered by ansible-doc
+# (tests/unit/project/test_plugin_docs.py): seconds, no node, no container.
+LINT_TESTS := tests/unit/project/test_maps.py tests/unit/project/test_plugin_docs.py
 
 lint: setup           ## ansible-lint (production), yamllint, ruff, vermin (node-side Python 3.10), maps and ansible-doc
 	$(VENV)/yamllint --strict .

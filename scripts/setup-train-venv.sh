@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the controller-side training venv (tests/test_templates.py parses rendered configs with
+# Builds the controller-side training venv (tests/unit/roles/test_templates.py parses rendered configs with
 # LLaMA-Factory's and DeepSpeed's own parsers; molecule/train mounts it into its nodes) from the
 # same lock as the nodes: every line of requirements/node-py<ver>.txt for the venv's Python, so the
 # version pins live in one place (group_vars/all, resolved by scripts/lock-node-env.py). Offline:

@@ -10,7 +10,8 @@ optimizer step): the DeepSpeed stage, the memory-saving technique, micro-batch x
 checkpointing, the predicted tokens/s, and the tokens/s measured on the H200 under that card's
 memory cap where a point of the same configuration ran alone (tests/data/cards_grid.json and
 memory_grid.json, BENCHMARKS.md sections 5 and 10), else "planned, not measured".
-tests/test_what_fits.py fails when docs/performance.md differs from what this prints, so the
+tests/unit/planner/test_what_fits.py fails when docs/performance.md differs from what this prints,
+so the
 table cannot drift from the planner. Run it with the controller's venv.
 """
 

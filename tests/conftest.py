@@ -9,11 +9,13 @@
   beside tests/data/sharegpt_mixed.json (which molecule's train scenario reads too).
 - The lab (inventory/lab.yml, which `make test` starts): `lab` drives it through the API,
   `lab_hosts` names its nodes in rank order, `provisioned` runs provision.yml on it once for the
-  whole session (the runner's tests, tests/test_lab.py's checks of a provisioned node). They skip
+  whole session (the runner's tests, tests/lab/test_lab.py's checks of a provisioned node). They
+  skip
   when the lab is not up.
 - The parallel run (`make test`: pytest-xdist, `--dist loadgroup`): a worker runs an xdist group
   whole. Every test marked `lab` is in the group `lab` (they share inventory/lab.yml and the lab's
-  nodes); each molecule scenario is a group of its own (tests/test_molecule.py); the other tests
+  nodes); each molecule scenario is a group of its own (tests/molecule/test_molecule.py); the other
+  tests
   have none and spread over the workers. Each worker orders its collection as `_queue` says, so
   that the longest groups start first.
 """

@@ -15,8 +15,10 @@ same fp32 run repeated (the run-to-run noise) and fp32 with another seed (the da
 `fit` fits each technique's memory coefficient on its points of the first device call with the
 issue-21 coefficients held, so that no fitted point is under-predicted, and prints the
 coefficients and each point's error, fitted or held out (the later calls' points);
-tests/test_memory_model.py checks the held-out ones. `fit-cost` solves the cost model's new
-terms on the points that ran alone (the first of each technique; tests/test_cost_model.py checks
+tests/unit/planner/test_memory_model.py checks the held-out ones. `fit-cost` solves the cost
+model's new
+terms on the points that ran alone (the first of each technique;
+tests/unit/planner/test_cost_model.py checks
 the others).
 """
 

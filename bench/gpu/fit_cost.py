@@ -6,7 +6,8 @@
 Needs numpy (the venv with torch has it); the model module itself is standard library only.
 
 The split is fit_memory.py's: the points that trained, in grid order, alternately to the fit and
-to the held-out half (tests/test_cost_model.py checks the held-out half). The model is linear in
+to the held-out half (tests/unit/planner/test_cost_model.py checks the held-out half). The model is
+linear in
 its terms (cost.features): a least-squares fit of the relative error of step_s, with every
 coefficient kept >= 0 (a term that would come out negative is dropped and the rest refitted).
 

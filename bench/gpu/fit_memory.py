@@ -6,7 +6,8 @@
 Needs numpy (the venv with torch has it); the model module itself is standard library only.
 
 The split: the points that trained (status ok) in grid order, alternately to the fit and to the
-held-out half (`held_out`, also what tests/test_memory_model.py checks). The GPU model is the
+held-out half (`held_out`, also what tests/unit/planner/test_memory_model.py checks). The GPU model
+is the
 larger of two linear terms (measured_memory.features); which one is a point's peak is not known
 before the fit, so the fit alternates: least squares of the relative error with every point
 assigned to a moment, then every point reassigned to the moment its fit predicts larger, until

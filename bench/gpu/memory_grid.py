@@ -23,7 +23,7 @@ point is killed at the deadline. A second call on a still-warm machine skips the
 
 `collect` (here) adds what the current planner (plugins/filter/run_plan.py, its Memory model and
 group_vars/all/training.yml's coefficients) predicts for each point, and writes the compact
-records that tests/test_memory_model.py replays.
+records that tests/unit/planner/test_memory_model.py replays.
 """
 
 from __future__ import annotations

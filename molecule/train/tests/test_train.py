@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fault_timings import record_fault
+from tests.support.fault_timings import record_fault
 
 ROOT = Path(__file__).resolve().parents[3]
 # Container names carry a prefix so that two checkouts can run the scenario side by side.
@@ -69,7 +69,8 @@ POWER_LOSS_SLACK_S = 15
 PLAY_AFTER_VERDICT_S = 15
 
 # Every fault test's measurement, with its bound and how the bound is derived, lands in one
-# file (tests/fault_timings.py: .cache/fault_timings.json): docs/faults.md's table was read there.
+# file (tests/support/fault_timings.py: .cache/fault_timings.json): docs/faults.md's table was read
+# there.
 
 _state: dict[str, str] = {}
 _timings: dict[str, float] = {}

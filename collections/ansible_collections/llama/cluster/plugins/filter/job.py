@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
+from ansible_collections.llama.cluster.plugins.module_utils.job_view import job_status
 from ansible_collections.llama.cluster.plugins.module_utils.llama_job.protocol import (
     FailureKind,
     JobStatus,
@@ -21,12 +22,9 @@ from ansible_collections.llama.cluster.plugins.module_utils.llama_job.protocol i
     Resume,
     RunSummary,
     describe_exit,
-    job_status,
     ranks_text,
 )
-from ansible_collections.llama.cluster.plugins.module_utils.planner.checkpoints import (
-    resume_point,
-)
+from ansible_collections.llama.cluster.plugins.module_utils.llama_job.resume import resume_point
 from ansible_collections.llama.cluster.plugins.module_utils.trainer_log import (
     log_figures,
     parse_records,
@@ -36,7 +34,7 @@ from ansible_collections.llama.cluster.plugins.module_utils.trainer_log import (
 def job_status_of(
     hosts: list[str], hostvars: Mapping[str, Any], master: str, register: str, job: str = ""
 ) -> dict[str, Any]:
-    """One job's status across the cluster (protocol.job_status) from each node's registered
+    """One job's status across the cluster (job_view.job_status) from each node's registered
     `llama_job status`: a node without the result (it left the play, did not answer, or was not
     asked: job_gone) counts as unreachable."""
     results = {}

@@ -1,5 +1,6 @@
 """What playbooks/serve.yml serves and how, and what playbooks/tensorboard.yml opens to whom: the
-decisions, each with a unit test in tests/test_serve.py (tracking: plugins/filter/tracking.py).
+decisions, each with a unit test in tests/unit/roles/test_serve.py (tracking:
+plugins/filter/tracking.py).
 
 - `serve_request`: the -e inputs checked together (what to serve, port, backend, sources);
 - `serve_model`: the model directory, adapter, template and name of a run, a catalogue model or

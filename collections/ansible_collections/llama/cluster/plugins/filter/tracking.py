@@ -1,6 +1,6 @@
 """What train.yml's experiment trackers need: report_to, the trackers' settings and their keys
 (secrets) for a run (`tracking_plan`), and -e report_to / -e tensorboard folded into train_args
-(`tracking_train_args`). Unit tests: tests/test_serve.py."""
+(`tracking_train_args`). Unit tests: tests/unit/roles/test_serve.py."""
 
 from __future__ import annotations
 

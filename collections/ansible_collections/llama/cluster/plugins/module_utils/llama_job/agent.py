@@ -21,9 +21,10 @@ from .launchers import current_limits
 from .logs import read_env_file, rotate_log
 from .oom import describe_cause
 from .procs import become_subreaper
-from .protocol import VERSION, Failure, FailureKind, Phase, Restart, describe_exit, iso
+from .protocol import Failure, FailureKind, Phase, Restart, describe_exit, iso
 from .spec import JobSpec, Refused
 from .untrusted import read_untrusted, write_json
+from .wire import VERSION
 
 LOG_LOOK_S = 5.0  # seconds between two looks at the node log's size
 

@@ -5,11 +5,9 @@ provisioning installs on every node as /usr/local/sbin/llama-job.
 
 Deterministic: the same sources give the same bytes (entries sorted, one fixed timestamp and
 mode), so the file is named by its digest and a second build changes nothing. The archive holds
-the package as `llama_cluster/llama_job/`, beside the planner's checkpoint rule as
-`llama_cluster/planner/checkpoints.py` (the one rule of `-e resume=true`, which automatic
-restarts follow too), and a `__main__.py` that runs its command line: the same relative imports
-hold in the collection and in the archive. Stdlib only, so the node's python3 (3.10 or newer)
-runs it. This file is the build, not part of the archive.
+the package as `llama_cluster/llama_job/` and a `__main__.py` that runs its command line: the
+same relative imports hold in the collection and in the archive. Stdlib only, so the node's
+python3 (3.10 or newer) runs it. This file is the build, not part of the archive.
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 INTERPRETER = b"#!/usr/bin/env python3\n"
 MAIN = b"import sys\n\nfrom llama_cluster.llama_job.cli import main\n\nsys.exit(main())\n"
-PACKAGE = b'"""llama-job and the planner rule it shares, as the zipapp carries them."""\n'
+PACKAGE = b'"""llama-job, as the zipapp carries it."""\n'
 STAMP = (2026, 1, 1, 0, 0, 0)
 
 
@@ -39,10 +37,6 @@ def archive(root: Path = HERE) -> bytes:
     """The zipapp's bytes."""
     entries = [("__main__.py", MAIN), ("llama_cluster/__init__.py", PACKAGE)]
     entries += [(f"llama_cluster/llama_job/{p.name}", p.read_bytes()) for p in sources(root)]
-    entries += [
-        (f"llama_cluster/planner/{name}", (root.parent / "planner" / name).read_bytes())
-        for name in ("__init__.py", "checkpoints.py")
-    ]
     data = io.BytesIO()
     with zipfile.ZipFile(data, "w", zipfile.ZIP_DEFLATED) as bundle:
         for name, content in entries:

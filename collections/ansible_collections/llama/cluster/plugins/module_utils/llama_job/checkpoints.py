@@ -1,6 +1,6 @@
 """One checkpoint rule for every continuation, applied by the master's agent: before an
 automatic restart, and before the first attempt of a run resumed with `-e resume=true` (the job
-spec's `resume`), it applies the planner's resume_point (the latest step whose checkpoint is
+spec's `resume`), it applies resume_point (resume.py) (the latest step whose checkpoint is
 complete on every node) to what each node holds; every node then moves its newer checkpoints
 aside (never deleting one) and continues from that step, passed to its command explicitly."""
 
@@ -14,7 +14,7 @@ import struct
 import time
 from typing import Any
 
-from ..planner.checkpoints import resume_point
+from .resume import resume_point
 
 NAME = re.compile(r"^checkpoint-(\d+)$")
 # Where a continuation sets checkpoints aside, under <run dir>/set-aside/: restart-<attempt>, or

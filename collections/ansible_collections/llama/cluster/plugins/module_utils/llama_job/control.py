@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import protocol
+from . import protocol, wire
 from .launchers import launcher
 from .logs import first_error_lines
 from .procs import boot_id, busy_ports, listeners
@@ -161,7 +161,7 @@ def new_record(
     """Root's record of a launch, before it starts."""
     now = time.time()
     return {
-        "version": protocol.VERSION,
+        "version": wire.VERSION,
         "job": spec.job,
         "host": spec.host,
         "rank": spec.rank,

@@ -9,11 +9,11 @@ Everything a peer sends is hostile until authenticated. The handshake (protocol.
 and every later message on that connection is sealed under job:C with a sequence number above
 the last one, so a message of another connection, or one sent again, does not verify; the
 worker knows the master by its answer to W. The master reads every connection in one thread
-(a selector): a line is at most protocol.MAX_LINE bytes, a connection that has not said hello
-within protocol.HELLO_WITHIN seconds is closed, and at most max(4, 2 x peers) connections wait
+(a selector): a line is at most wire.MAX_LINE bytes, a connection that has not said hello
+within wire.HELLO_WITHIN seconds is closed, and at most max(4, 2 x peers) connections wait
 for their hello at once (the oldest one goes when another comes).
 
-Whatever a connection sends ends that connection at worst, never the reader: protocol.unseal
+Whatever a connection sends ends that connection at worst, never the reader: wire.unseal
 checks a line's length, shape and mac on its raw bytes before any JSON is parsed and raises
 nothing but BadMessage; anything else one connection's handling raises drops that connection
 and is counted with what was refused (the master's log says it every master.REFUSALS_EVERY seconds).
@@ -33,7 +33,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from .protocol import HELLO_WITHIN, MAX_LINE, BadMessage, Kind, seal, unseal
+from .wire import HELLO_WITHIN, MAX_LINE, BadMessage, Kind, seal, unseal
 
 SEND_TIMEOUT = 5.0  # a peer that does not read for this long is cut off
 

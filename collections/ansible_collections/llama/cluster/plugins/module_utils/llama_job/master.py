@@ -19,8 +19,9 @@ from .command import Ended
 from .link import Hub, Link
 from .logs import is_peer_symptom, last_record, stall_limit
 from .procs import listening_inodes, socket_owners
-from .protocol import Failure, FailureKind, Kind, Phase, Restart, describe_exit, iso
+from .protocol import Failure, FailureKind, Phase, Restart, describe_exit, iso
 from .untrusted import file_size
+from .wire import Kind
 
 REFUSALS_EVERY = 10.0  # seconds between the log's lines on refused connections
 

@@ -1,46 +1,27 @@
-"""The llama-job protocol: the one definition of a job's phases, failure kinds, messages and
-status, for every layer that reads a job's state.
+"""The llama-job status: the one definition of a job's phases, failure kinds and status, for
+every layer that reads a job's state.
 
-Two parts:
-
-- the wire: `Kind` (the messages on the watchdog port) and their framing (`seal`, `unseal`);
-- the status: `Phase` and `FailureKind` (closed enums: a phase or a kind is one of their
-  members, nothing else), and the typed objects built from them: `Failure` (why an attempt
-  ended), `Restart`, `RankStatus` (one node's part of a job: what `llama-job status` prints),
-  `NodeStatus` and `JobStatus` (a job across the cluster: what the play, status.yml, the API and
-  the CLI report), `Resume` and `RunSummary` (what an ended run came to).
+`Phase` and `FailureKind` are closed enums (a phase or a kind is one of their members, nothing
+else); the typed objects are built from them: `Failure` (why an attempt ended), `Restart`,
+`RankStatus` (one node's part of a job: what `llama-job status` prints), `NodeStatus` and
+`JobStatus` (a job across the cluster: what the play, status.yml, the API and the CLI report),
+`Resume` and `RunSummary` (what an ended run came to).
 
 Each object is carried unchanged from the node to the user: `to_dict` is its JSON (enums as their
 values) and `from_dict` reads it back, so the node's supervisor (the zipapp llama-job), the
-controller's module (llama_job), its filters (filter/job.py), playbooks/status.yml and the Python
-API (llama_runner) share one shape. Stdlib only, Python 3.10 (it runs on the nodes).
-
-On the watchdog port every message is one line, `<seq> <mac> <body>`: a sequence number, the
-HMAC-SHA256 (64 hex digits) under the job's secret of the job id, the sequence number and the
-body as they are on the wire, and the body, the message's canonical JSON. The secret never
-crosses the wire. A line is checked on its raw bytes first: one longer than MAX_LINE, not of
-that shape, whose mac does not verify or whose sequence number is not above the last one
-accepted on that connection is refused before any JSON is parsed; a body that verifies is
-parsed only when it nests at most MAX_DEPTH deep.
+controller's module (llama_job), its filters (filter/job.py, with the controller's cluster view,
+module_utils/job_view.py), playbooks/status.yml and the Python API (llama_runner) share one
+shape. The messages on the wire are wire.py's. Stdlib only, Python 3.10 (it runs on the nodes).
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import json
-import re
 import signal
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from typing import Any
-
-VERSION = 1
-MAX_LINE = 64 << 10  # bytes of one message on the watchdog port, newline included
-HELLO_WITHIN = 5.0  # seconds a new connection has to authenticate itself
-MAX_DEPTH = 32  # nesting of a message's arrays and objects (the agents' nest a few levels)
 
 
 class Phase(str, Enum):
@@ -109,93 +90,6 @@ class FailureKind(str, Enum):
 RESTARTABLE = frozenset(
     {FailureKind.EXITED, FailureKind.VANISHED, FailureKind.STALLED, FailureKind.LOST}
 )
-
-
-class Kind(str, Enum):
-    """The messages on the watchdog port (worker to master: hello, beat, exit, idle)."""
-
-    HELLO = "hello"  # a worker joins: host, rank, phase, attempt, nonce
-    WELCOME = "welcome"  # the master accepts it: phase, attempt, the worker's nonce back
-    REFUSED = "refused"
-    BEAT = "beat"
-    START = "start"
-    # From a checkpoint: a restart (`after`: the failure) or a resumed run's first attempt;
-    # `plan` names the checkpoint and what each node sets aside.
-    CONTINUE = "continue"
-    ABORT = "abort"
-    FINAL = "final"
-    EXIT = "exit"
-    IDLE = "idle"
-
-
-# --------------------------------------------------------------------------------------------
-# Framing: one authenticated message per line
-# --------------------------------------------------------------------------------------------
-class BadMessage(ValueError):
-    """A line that is not a message of this job: too long, malformed, forged or replayed."""
-
-
-FRAME = re.compile(rb"(0|[1-9][0-9]{0,17}) ([0-9a-f]{64}) (\{.*\})\n?", re.DOTALL)
-JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-JSON_NESTING = re.compile(rb"[\[\]{}]")
-
-
-def _mac(key: bytes, job: str, seq: bytes, body: bytes) -> bytes:
-    data = b"%s\n%s\n%s" % (job.encode(), seq, body)
-    return hmac.new(key, data, hashlib.sha256).hexdigest().encode()
-
-
-def seal(key: bytes, job: str, seq: int, body: Mapping[str, Any]) -> bytes:
-    """One message as its line on the wire (ASCII: the JSON escapes every other character)."""
-    text = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    number = b"%d" % seq
-    return b"%s %s %s\n" % (number, _mac(key, job, number, text), text)
-
-
-def too_deep(text: bytes, limit: int = MAX_DEPTH) -> bool:
-    """Whether a JSON text's arrays and objects nest deeper than `limit` (brackets inside its
-    strings left out), read before json.loads would recurse into them."""
-    if text.count(b"[") + text.count(b"{") <= limit:
-        return False
-    depth = 0
-    for bracket in JSON_NESTING.findall(JSON_STRING.sub(b'""', text)):
-        depth += 1 if bracket in b"[{" else -1
-        if depth > limit:
-            return True
-    return False
-
-
-def unseal(key: bytes, job: str, line: bytes, last_seq: int) -> tuple[int, dict[str, Any]]:
-    """The sequence number and body of a line; BadMessage unless it is this job's and new.
-
-    Nothing but BadMessage is raised, whatever the bytes: the shape and the mac are checked on
-    the raw line, and the body is parsed only once it verified and its nesting is bounded."""
-    if len(line) > MAX_LINE:
-        raise BadMessage(f"line of {len(line)} bytes (at most {MAX_LINE})")
-    frame = FRAME.fullmatch(line)
-    if frame is None:
-        older = line.startswith(b'{"')  # llama-job before issue 40 sent JSON frames
-        raise BadMessage(
-            "a frame of an older llama-job (run provision.yml on every node)"
-            if older
-            else "not a frame"
-        )
-    number, mac, text = frame.groups()
-    if not hmac.compare_digest(mac, _mac(key, job, number, text)):
-        raise BadMessage("bad mac")
-    seq = int(number)
-    if seq <= last_seq:
-        raise BadMessage(f"replayed (sequence {seq}, last {last_seq})")
-    if too_deep(text):
-        raise BadMessage(f"nested deeper than {MAX_DEPTH}")
-    try:
-        body = json.loads(text.decode("ascii"))
-        json.dumps(body, ensure_ascii=False).encode()  # a lone surrogate cannot be written out
-    except (ValueError, RecursionError) as err:  # UnicodeError is a ValueError
-        raise BadMessage("no JSON in the frame") from err
-    if not isinstance(body, dict) or not isinstance(body.get("t"), str):
-        raise BadMessage("no message in the frame")
-    return seq, body
 
 
 # --------------------------------------------------------------------------------------------
@@ -741,94 +635,3 @@ class JobStatus:
             trainer_log=_mapping(data.get("trainer_log")),
             summary=RunSummary.from_dict(data.get("summary")),
         )
-
-
-def answered(result: object) -> bool:
-    """Whether a node's registered result is an answer (not unreachable, not failed)."""
-    return isinstance(result, Mapping) and not (result.get("unreachable") or result.get("failed"))
-
-
-def node_ranks(result: object) -> list[RankStatus]:
-    """The rank statuses in one node's `llama_job status` result ([] when it did not answer)."""
-    if not answered(result):
-        return []
-    assert isinstance(result, Mapping)
-    return [RankStatus.from_dict(r) for r in result.get("ranks") or [] if isinstance(r, Mapping)]
-
-
-def _views(
-    results: Mapping[str, object],
-) -> tuple[dict[str, NodeStatus], list[str], list[RankStatus]]:
-    """Per node its view, the nodes that did not answer, and every rank reported."""
-    nodes: dict[str, NodeStatus] = {}
-    unreachable: list[str] = []
-    views: list[RankStatus] = []
-    for host, result in sorted(results.items()):
-        ranks = node_ranks(result)
-        if not ranks and not answered(result):
-            unreachable.append(host)
-            nodes[host] = NodeStatus(Phase.UNKNOWN, reachable=False, active=None)
-        elif not ranks:
-            nodes[host] = NodeStatus(Phase.ABSENT)
-        for rank in ranks:
-            views.append(rank)
-            nodes[host] = NodeStatus.of(rank)
-    return nodes, unreachable, views
-
-
-def _lead(views: list[RankStatus], master: str) -> RankStatus | None:
-    """The master's agent's view: on the master host first, else wherever one reports."""
-    masters = [r for r in views if r.role == "master"]
-    return next((r for r in masters if r.host == master), masters[0] if masters else None)
-
-
-def _workers_verdict(
-    views: list[RankStatus], unreachable: list[str], master: str
-) -> tuple[Phase, Failure | None]:
-    """Without the master's view: what the workers' own records say."""
-    finals = [r for r in views if r.phase.is_terminal()]
-    failed = [r for r in finals if r.phase is Phase.FAILED]
-    source = failed[0] if failed else (finals[0] if finals else None)
-    if source is not None:
-        phase, reason = source.phase, source.reason
-    else:
-        phase, reason = (Phase.UNKNOWN if unreachable else Phase.ABSENT), None
-    if reason is None and master in unreachable:
-        reason = Failure(
-            node=master, kind=FailureKind.VANISHED, message="the master did not answer"
-        )
-        phase = Phase.FAILED if phase in (Phase.UNKNOWN, Phase.ABSENT) else phase
-    return phase, reason
-
-
-def job_status(results: Mapping[str, object], master: str, job: str = "") -> JobStatus:
-    """One job's status across the cluster from each node's `llama_job status` result.
-
-    A node without a result mapping counts as unreachable. The master's agent coordinates
-    the job, so its view wins; without it, the workers' own records say what they saw
-    (typically that the master vanished).
-    """
-    nodes, unreachable, views = _views(results)
-    lead = _lead(views, master)
-    if lead is not None:
-        phase, reason = lead.phase, lead.reason
-    else:
-        phase, reason = _workers_verdict(views, unreachable, master)
-    lead_result = results.get(lead.host) if lead is not None else None
-    return JobStatus(
-        job=job or (lead.job if lead is not None else ""),
-        phase=phase,
-        reason=None if phase is Phase.SUCCEEDED else reason,
-        unreachable=tuple(unreachable),
-        active=tuple(sorted(h for h, n in nodes.items() if n.active)),
-        nodes=nodes,
-        attempt=lead.attempt if lead is not None else 1,
-        max_restarts=lead.max_restarts if lead is not None else 0,
-        restarts=lead.restarts if lead is not None else (),
-        progress=dict(lead.progress) if lead is not None else {},
-        started=lead.started if lead is not None else None,
-        ended=lead.ended if lead is not None else None,
-        trainer_log=_mapping(lead_result.get("trainer_log"))
-        if isinstance(lead_result, Mapping)
-        else {},
-    )

@@ -13,7 +13,8 @@ from .agent import NodeAgent
 from .checkpoints import listing
 from .command import Ended
 from .link import Link, connect, read_uplink
-from .protocol import Failure, FailureKind, Kind, Phase, Restart, describe_exit, iso
+from .protocol import Failure, FailureKind, Phase, Restart, describe_exit, iso
+from .wire import Kind
 
 
 def reachable(address: str, port: int, within: float = 15.0) -> bool:

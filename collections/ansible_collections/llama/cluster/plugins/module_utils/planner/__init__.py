@@ -1,7 +1,8 @@
 """The run planner: what train.yml runs, decided from the request, the model, every node's GPUs
 and the rules kept as data in group_vars/all/training.yml.
 
-One module per concern (the collection's README lists each, and tests/test_maps.py checks that
+One module per concern (the collection's README lists each, and tests/unit/project/test_maps.py
+checks that
 list and that the planner imports nothing outside itself but the standard library and
 ansible.errors):
 
@@ -12,7 +13,7 @@ ansible.errors):
 - `nodes`: every node's accelerator, processes and GPU memory from its facts, or from what is
   free on it at train time, refusing a GPU another process holds (`describe_nodes`);
 - `memory` and `measured_memory`: the memory model; `cost`: the predicted step time
-  (tests/test_cost_model.py); `links`: the link between the nodes (`run_link`);
+  (tests/unit/planner/test_cost_model.py); `links`: the link between the nodes (`run_link`);
 - `techniques`: the memory-saving techniques the search tries besides the stages (8-bit AdamW,
   Liger, QLoRA) and the numerics policy that allows or forbids them (`candidates`);
 - `search`: the candidates that fit, ranked by predicted step time, the scaling over 1..N nodes
@@ -26,7 +27,7 @@ ansible.errors):
 - `checkpoints`: the checkpoint a continued run resumes from on every node (`resume_point`, which
   llama-job applies) and whether a stage's checkpoints are each node's own (`sharded`);
 - `disk`: the checkpoints kept, their size on every node and whether they fit its free space
-  (`disk_estimate`, `disk_budget`; tests/test_disk_budget.py);
+  (`disk_estimate`, `disk_budget`; tests/unit/planner/test_disk_budget.py);
 - `errors`: `PlanError`, the one error (a filter error in Ansible) that says what to change.
 
 The action that calls it is plugins/action/run_plan.py; the filters that render a plan are

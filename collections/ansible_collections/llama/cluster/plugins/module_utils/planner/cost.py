@@ -37,7 +37,7 @@ untied input embedding, which is a lookup; N_t the trainable ones; L layers) cos
 The grid (tests/data/memory_grid.json) trained every point with accumulation 1, so which share of
 a per-parameter term is paid per micro-batch and which per step follows DeepSpeed's mechanism
 above, not a measurement. Fitted by bench/gpu/fit_cost.py on half of the grid's points; the other
-half is held out (tests/test_cost_model.py, BENCHMARKS.md section 6).
+half is held out (tests/unit/planner/test_cost_model.py, BENCHMARKS.md section 6).
 """
 
 from __future__ import annotations

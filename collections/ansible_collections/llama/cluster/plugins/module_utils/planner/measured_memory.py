@@ -2,7 +2,7 @@
 
 The coefficients below were fitted by bench/gpu/fit_memory.py to half of the points of
 tests/data/memory_grid.json (LLaMA-Factory 0.9.5 on one H200, BENCHMARKS.md section 5) and are
-checked against the other half by tests/test_memory_model.py. Standard library only.
+checked against the other half by tests/unit/planner/test_memory_model.py. Standard library only.
 
 What a training process holds, as measured (N parameters, T tokens of one micro-batch, L layers,
 h hidden size, I MLP size, V vocabulary; bf16 autocast, fused AdamW, SDPA attention, packed rows):

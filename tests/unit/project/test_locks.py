@@ -1,0 +1,246 @@
+"""The node locks (requirements/node-py*.txt): one per supported Python, generated from group_vars
+by scripts/lock-node-env.py, agreeing on the packages every node must share, and carrying the
+hashes of PyPI's files, which the nodes' installers and the wheelhouse check (issue 40)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from ansible_collections.llama.cluster.plugins.filter import python_env as env_filters
+
+PROJECT = Path(__file__).resolve().parents[3]
+SCRIPT = PROJECT / "scripts/lock-node-env.py"
+# The packages whose versions must be identical on every node, whatever its Python.
+SHARED = (
+    "torch",
+    "torchvision",
+    "torchaudio",
+    "transformers",
+    "tokenizers",
+    "llamafactory",
+    "deepspeed",
+    "accelerate",
+    "peft",
+    "datasets",
+    "trl",
+    "bitsandbytes",
+    "liger-kernel",
+)
+
+
+def _script() -> object:
+    """The lock script (a file with a dash in its name, not a module), executed once."""
+    spec = importlib.util.spec_from_file_location("lock_node_env", SCRIPT)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+lock = _script()
+INPUTS = lock.load_inputs()
+
+
+def pins(path: Path) -> dict[str, str]:
+    out = {}
+    for pin, _hashes in lock.entries(path.read_text()):
+        name, version = pin.split("==")
+        out[lock.normalise(name)] = version
+    return out
+
+
+def group_vars() -> dict:
+    versions = yaml.safe_load((PROJECT / "group_vars/all/versions.yml").read_text())
+    expected = {
+        "llamafactory": versions["llamafactory_version"],
+        "deepspeed": versions["deepspeed_version"],
+    }
+    for name in ("torch", "torchvision", "torchaudio"):
+        (version,) = {entry[name] for entry in versions["torch_matrix"].values()}
+        expected[name] = version
+    expected.update(versions["llamafactory_library_versions"])
+    return expected
+
+
+def test_every_supported_os_python_has_a_lock_and_no_other_lock_exists():
+    defaults = yaml.safe_load((PROJECT / "roles/python_env/defaults/main.yml").read_text())
+    supported = yaml.safe_load((PROJECT / "roles/host_facts/defaults/main.yml").read_text())
+    os_python = defaults["python_env_os_python"]
+    assert set(supported["host_facts_supported_os"]) <= set(os_python)
+    wanted = {f"node-py{os_python[key].replace('.', '')}.txt" for key in os_python}
+    wanted.add("node-py311.txt")  # the conda backend's Python 3.11
+    assert {p.name for p in (PROJECT / "requirements").glob("node-py*.txt")} == wanted
+    assert INPUTS["pythons"] == ["3.11", "3.12"]
+
+
+def test_every_lock_pins_the_shared_packages_at_the_group_vars_versions():
+    expected = group_vars()
+    assert set(expected) == set(SHARED)
+    for python in INPUTS["pythons"]:
+        locked = pins(lock.lock_path(python))
+        assert {name: locked.get(name) for name in SHARED} == expected, python
+
+
+def test_the_shared_packages_are_the_same_in_every_lock():
+    by_lock = {
+        python: {name: pins(lock.lock_path(python))[name] for name in SHARED}
+        for python in INPUTS["pythons"]
+    }
+    assert len({tuple(sorted(v.items())) for v in by_lock.values()}) == 1, by_lock
+
+
+def test_locks_list_no_torch_runtime_package_and_carry_the_generated_header():
+    for python in INPUTS["pythons"]:
+        path = lock.lock_path(python)
+        text = path.read_text()
+        assert text.startswith(lock.GENERATED + "\n")
+        assert not [n for n in pins(path) if re.match(r"^(nvidia-|cuda-|triton$)", n)]
+
+
+def test_lock_headers_match_the_current_group_vars_and_the_lock_lines():
+    # Offline and instant: the header records a hash of the inputs (a pin moved in group_vars
+    # without regenerating shows here) and of the lines (a hand edit shows here).
+    for python in INPUTS["pythons"]:
+        path = lock.lock_path(python)
+        text = path.read_text()
+        header = re.search(r"^# inputs: (\w+)  body: (\w+)", text, re.M)
+        lines = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
+        assert lines == lock.body_lines(lock.entries(text), INPUTS)[0]
+        assert header.group(1) == lock.inputs_digest(INPUTS, python), f"{path.name} is stale"
+        assert header.group(2) == lock.body_digest(lines), f"{path.name} was edited by hand"
+
+
+def test_a_moved_pin_changes_the_inputs_digest():
+    moved = {**INPUTS, "pins": [p.replace("peft==0.18.1", "peft==0.18.2") for p in INPUTS["pins"]]}
+    assert lock.inputs_digest(moved, "3.12") != lock.inputs_digest(INPUTS, "3.12")
+
+
+def test_a_moved_resolution_date_changes_the_inputs_digest():
+    # The lock is compared with its inputs offline (the header's digest); resolving again
+    # against the live index is a command of its own, not a test (`scripts/lock-node-env.py
+    # --check`): the index gains files within a past resolution date, so the same inputs need
+    # not resolve to the same lock on a later day.
+    moved = {**INPUTS, "resolved_at": "2001-01-01T00:00:00Z"}
+    assert lock.inputs_digest(moved, "3.12") != lock.inputs_digest(INPUTS, "3.12")
+
+
+# ---- the hashes ------------------------------------------------------------------------------
+UNHASHED = {"torch", "torchvision", "torchaudio", "deepspeed"}
+
+
+def test_every_pin_carries_pypis_hashes_but_the_index_builds_and_deepspeed():
+    for python in INPUTS["pythons"]:
+        text = lock.lock_path(python).read_text()
+        found = lock.entries(text)
+        bare = sorted(lock.normalise(pin.split("==")[0]) for pin, hashes in found if not hashes)
+        assert set(bare) == UNHASHED, python
+        assert all(re.fullmatch(r"sha256:[0-9a-f]{64}", h) for _, hashes in found for h in hashes)
+        # DeepSpeed's source (the wheelhouse builds its wheel from it) is recorded in the header.
+        (source,) = re.findall(r"^# sdist (deepspeed==\S+) --hash=sha256:[0-9a-f]{64}$", text, re.M)
+        assert source == f"deepspeed=={group_vars()['deepspeed']}"
+
+
+def test_the_lock_is_read_the_same_by_the_filters_and_the_script():
+    text = lock.lock_path("3.11").read_text()
+    assert env_filters.lock_pins(text) == [
+        f"{lock.normalise(pin.split('==')[0])}=={pin.split('==')[1]}"
+        for pin, _ in lock.entries(text)
+    ]
+    (uv_line,) = env_filters.lock_requirements(text, ["uv==0.13.9"]).splitlines()
+    assert uv_line.startswith("uv==0.13.9 --hash=sha256:")
+    with pytest.raises(Exception, match=re.escape("The lock has no hash for torch==2.11.0")):
+        env_filters.lock_requirements(text, ["torch==2.11.0"])
+
+
+def test_a_file_of_a_pin_whose_hash_is_none_of_the_locks_is_named():
+    lock_text = (
+        "# sdist deepspeed==0.19.8 --hash=sha256:" + "a" * 64 + "\n"
+        "tyro==0.8.14 \\\n    --hash=sha256:"
+        + "b" * 64
+        + " \\\n    --hash=sha256:"
+        + "c" * 64
+        + "\n"
+        "torch==2.11.0\n"
+    )
+    files = [
+        {"path": "/w/tyro-0.8.14-py3-none-any.whl", "checksum": "c" * 64},
+        {"path": "/w/torch-2.11.0+cu128-cp311-cp311-linux_x86_64.whl", "checksum": "0" * 64},
+        {"path": "/w/other-1.0-py3-none-any.whl", "checksum": "0" * 64},
+        {"path": "/w/src/deepspeed-0.19.8.tar.gz", "checksum": "a" * 64},
+    ]
+    assert env_filters.wheelhouse_hash_problems(files, lock_text) == []
+    files[0]["checksum"] = "d" * 64
+    files[3]["checksum"] = "e" * 64
+    assert env_filters.wheelhouse_hash_problems(files, lock_text) == [
+        f"/w/tyro-0.8.14-py3-none-any.whl: sha256 {'d' * 64} is none of the 2 the lock records "
+        "for tyro==0.8.14",
+        f"/w/src/deepspeed-0.19.8.tar.gz: sha256 {'e' * 64} is none of the 1 the lock records "
+        "for deepspeed==0.19.8",
+    ]
+
+
+def test_the_wheelhouse_role_leaves_out_only_what_the_lock_cannot_hash():
+    excluded = yaml.safe_load((PROJECT / "roles/wheelhouse/vars/main.yml").read_text())
+    patterns = excluded["__wheelhouse_unhashed"]
+    for name in lock.INDEX_BUILDS:
+        assert f"{name}-*" in patterns
+    text = lock.lock_path("3.11").read_text()
+    hashed = [pin for pin, hashes in lock.entries(text) if hashes]
+    assert not [p for p in hashed if any(re.match(x.replace("*", ".*"), p) for x in patterns)]
+
+
+CACHE = Path(os.environ.get("LLAMA_CLUSTER_CACHE", "/var/cache/llama-cluster"))
+WHEELHOUSE = CACHE / "wheelhouse" / "cp311-pypi"
+needs_wheelhouse = pytest.mark.skipif(
+    not (WHEELHOUSE / "src").is_dir(),
+    reason=f"no wheelhouse at {WHEELHOUSE} (ansible-playbook playbooks/wheelhouse.yml fills it)",
+)
+
+
+@needs_wheelhouse
+def test_the_wheelhouse_pypi_filled_matches_the_locks_hashes():
+    import hashlib  # noqa: PLC0415 - this test alone
+
+    text = lock.lock_path("3.11").read_text()
+    skip = ("torch-", "torchvision-", "torchaudio-", "triton-", "nvidia", "cuda")
+    files = [
+        {"path": str(path), "checksum": hashlib.sha256(path.read_bytes()).hexdigest()}
+        for path in [*WHEELHOUSE.glob("*.whl"), *WHEELHOUSE.glob("src/*.tar.gz")]
+        if not path.name.startswith(skip)
+    ]
+    assert len(files) > 100
+    assert env_filters.wheelhouse_hash_problems(files, text) == []
+
+
+@needs_wheelhouse
+def test_pip_installs_uv_in_hash_checking_mode_and_refuses_a_forged_wheel(tmp_path: Path):
+    # python_env's bootstrap: pip installs uv's pin with the lock's hashes (--require-hashes).
+    text = lock.lock_path("3.11").read_text()
+    requirements = tmp_path / "requirements-uv.txt"
+    requirements.write_text(env_filters.lock_requirements(text, ["uv==0.13.9"]))
+    (wheel,) = WHEELHOUSE.glob("uv-0.13.9-*.whl")
+    forged = tmp_path / "forged"
+    forged.mkdir()
+    shutil.copy2(wheel, forged / wheel.name)
+    with (forged / wheel.name).open("ab") as handle:
+        handle.write(b"\0")  # one byte more: another file under the same name
+    for house, ok in ((WHEELHOUSE, True), (forged, False)):
+        argv = env_filters.install_argv(
+            [], {"installer": "pip", "env_bin": "/x", "requirements": str(requirements),
+                 "wheelhouse": str(house)},
+        )  # fmt: skip
+        target = tmp_path / f"target-{ok}"
+        argv = [sys.executable, *argv[1:], "--target", str(target)]
+        done = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=300)
+        assert (done.returncode == 0) is ok, done.stdout + done.stderr
+        if not ok:
+            assert "THESE PACKAGES DO NOT MATCH THE HASHES" in done.stdout + done.stderr
