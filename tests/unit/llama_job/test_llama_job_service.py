@@ -65,7 +65,7 @@ class Service:
             "nnodes": 1,
             "role": "master",
             "master": {"host": "n1", "address": "127.0.0.1"},
-            "peers": [],
+            "peers": {},
             "watchdog_port": 0,
             "master_port": self.port,
             "gate_port": self.port,
