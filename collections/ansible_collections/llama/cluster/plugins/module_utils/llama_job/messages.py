@@ -1,4 +1,5 @@
-"""The typed schema of every message on the watchdog port (`check`), applied right after the mac.
+"""The typed schemas of what an agent or root reads from another party: every message on the
+watchdog port (`check`, applied right after the mac) and an agent's state file (`check_state`).
 
 A peer that holds the job's key is still not trusted with the agents' types: each message kind
 has its fields, each field its type, range and size (integers are not booleans, numbers are
@@ -6,7 +7,9 @@ finite, texts and lists are bounded), and each direction its kinds (a worker nev
 the master never a hello). A message that breaks its schema raises Malformed, which ends the
 connection it came on (link.py), never the agent. Fields the schema does not name are dropped:
 a handler only ever sees what was checked. A new field is added here before any handler reads
-it. Stdlib only, Python 3.10 (it runs on the nodes).
+it. The state file is the job's user's (so is the training code that runs as that user): root's
+`status` and `list` read it through `check_state`. Stdlib only, Python 3.10 (it runs on the
+nodes).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ def _number(low: float, high: float) -> Check:
     def check(value: object) -> object:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise Malformed("must be a number")
-        if not math.isfinite(value) or not low <= value <= high:
+        if not low <= value <= high or not math.isfinite(value):  # range first: 10**400
             raise Malformed(f"must be a finite number from {low:g} to {high:g}")
         return value
 
@@ -123,7 +126,7 @@ def _scalar(value: object) -> object:
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, str):
-        return _text(256)(value)
+        return _text(1024)(value)
     return _number(-1e15, 1e15)(value)
 
 
@@ -241,3 +244,50 @@ def check(body: Mapping[str, Any], *, from_master: bool) -> dict[str, Any]:
         raise Malformed(f"{kind} message: {err}".replace(": lacks", " lacks")) from None
     assert isinstance(found, dict)
     return {**found, "t": kind}
+
+
+# An agent's state file (agent.py's write_state), as root reads it.
+STATE = _record(
+    {
+        "version": _integer(0, 1000),
+        "job": HOST,
+        "host": HOST,
+        "rank": RANK,
+        "role": _one_of("master", "worker"),
+        "phase": PHASE,
+        "attempt": ATTEMPT,
+        "max_restarts": _integer(0, 1_000_000),
+        "restarts": _list(
+            _record(
+                {
+                    "attempt": ATTEMPT,
+                    "at": _optional(_text(32)),
+                    "after": _optional(FAILURE),
+                    "checkpoint": _optional(_text(4096)),
+                }
+            ),
+            10_000,
+        ),
+        "exit_status": EXIT_STATUS,
+        "reason": _optional(FAILURE),
+        "progress": _mapping(_scalar, 64),
+        "peers": _mapping(
+            _record({"phase": PHASE, "connected": _flag, "silent_s": _optional(_number(0, 1e11))}),
+            4096,
+        ),
+        "limits": _mapping(_scalar, 16),
+        "pid": _optional(_integer(1, 1 << 22)),
+        "child": _optional(_integer(1, 1 << 22)),
+        "started_s": _number(0, 1e11),
+        "started": _optional(_text(32)),
+        "updated": _optional(_text(32)),
+        "ended": _optional(_text(32)),
+    }
+)
+
+
+def check_state(data: object) -> dict[str, Any]:
+    """An agent's state file's JSON as its schema reads it; Malformed naming the field."""
+    found = STATE(data)
+    assert isinstance(found, dict)
+    return found
