@@ -136,7 +136,9 @@ def bodies(kinds: list[str]) -> st.SearchStrategy[dict]:
 class Agent:
     """A real agent of job `t` (the zipapp) on 127.0.0.1, running RELEASED until released."""
 
-    def __init__(self, tmp: Path, role: str, watchdog: int, peer_timeout: float = 3) -> None:
+    def __init__(
+        self, tmp: Path, role: str, watchdog: int, master_address: str = "127.0.0.1"
+    ) -> None:
         self.tmp, self.role = tmp, role
         host = "m" if role == "master" else "w"
         gate = free_port()
@@ -145,14 +147,14 @@ class Agent:
         (tmp / "env").write_text(f'GATE="{gate}"\n' if role == "master" else "")
         spec = {
             "job": JOB, "host": host, "rank": 0 if role == "master" else 1, "nnodes": 2,
-            "role": role, "master": {"host": "m", "address": "127.0.0.1"},
+            "role": role, "master": {"host": "m", "address": master_address},
             "peers": {"w": "127.0.0.1"} if role == "master" else {}, "address": "127.0.0.1",
             "watchdog_port": watchdog, "gate_port": gate if role == "master" else None,
             "token": KEY.decode(), "env_file": str(tmp / "env"), "cwd": str(tmp),
             "command": [sys.executable, str(tmp / "job.py"), progress, str(tmp / "release")],
             "log": str(tmp / f"{host}.log"), "state": str(tmp / "state.json"),
             "progress_file": progress, "max_restarts": 0,
-            "timeouts": {"start": 20, "heartbeat": 0.5, "peer": peer_timeout, "stop": 2,
+            "timeouts": {"start": 20, "heartbeat": 0.5, "peer": 3, "stop": 2,
                          "restart": 8, "settle": 0.5, "stall_startup": 10, "stall_floor": 5,
                          "stall_factor": 5},
         }  # fmt: skip
@@ -303,6 +305,20 @@ def test_a_reflected_beat_does_not_keep_a_silent_worker_alive(
     assert (state["reason"]["node"], state["reason"]["kind"]) == ("w", "vanished"), log
     assert "stopped answering" in state["reason"]["message"]
     assert "bad mac from w" in log  # each reflected beat, counted
+
+
+def test_the_watchdog_listens_on_the_masters_cluster_address_or_the_job_does_not_start(
+    tmp_path: Path, agents: list[Agent]
+) -> None:
+    port = free_port()
+    master = Agent(tmp_path, "master", port, master_address="192.0.2.1")  # not this machine's
+    agents.append(master)
+    state = master.ended(timeout=20)
+    assert (state["phase"], state["reason"]["kind"]) == ("failed", "start")
+    assert state["reason"]["message"] == (
+        f"the watchdog cannot listen on 192.0.2.1:{port}: 192.0.2.1 is not an address of this "
+        "node: set its cluster_address"
+    )
 
 
 # -- the fake master: m, against a live worker ---------------------------------------------------
