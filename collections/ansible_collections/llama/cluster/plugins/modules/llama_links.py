@@ -29,13 +29,13 @@ description:
   - O(mode=interfaces) lists the node's interfaces from /sys/class/net (no iproute2 needed) with
     their kind (C(infiniband), C(roce) for an Ethernet port with an RDMA device, C(ethernet),
     C(bridge), C(other)), link speed, MTU and IPv4 address and prefix.
-  - O(mode=serve) listens on O(port) of each of O(addresses) (never every interface: an address
+  - O(mode=serve) listens on O(port) of each of O(addresses) (never every interface; an address
     that does not bind fails the module, naming it) and answers O(connections) measurements
     (echoes the round trips, then sends a stream) or stops after O(timeout) seconds; started
     with async. Only a peer that proves it holds O(key) is measured or counted; any other
     connection, whatever it sends, is answered C(error <why>), closed and counted in
     RV(refused), and the server goes on. Connections are served side by side, each in a thread
-    of its own: a line is at most 256 bytes, a connection has 3 seconds to authenticate, at most
+    of its own; a line is at most 256 bytes, a connection has 3 seconds to authenticate, at most
     32 wait to do so (the oldest is closed when another comes, so whatever else is connected a
     peer with the key gets through), and measurements run one at a time.
   - O(mode=measure) connects to a serving node at O(address), checks that it holds O(key), times
