@@ -449,7 +449,7 @@ def check_project_settings(settings: Settings, model: Mapping[str, Any]) -> None
     ]
     template = str(model.get("template") or "")
     if template:
-        problems += _template_problems(template, f"the template of the model ({CATALOGUE_FILE})")
+        problems += template_problems(template, f"the template of the model ({CATALOGUE_FILE})")
     if problems:
         raise PlanError(
             "The project's settings hold values LLaMA-Factory would refuse:\n- "
@@ -457,7 +457,7 @@ def check_project_settings(settings: Settings, model: Mapping[str, Any]) -> None
         )
 
 
-def _template_problems(template: str, where: str) -> list[str]:
+def template_problems(template: str, where: str) -> list[str]:
     """A problem when `template` is not one of LLaMA-Factory's chat templates."""
     names = llamafactory_names()
     if template in names["templates"]:
@@ -488,7 +488,7 @@ def _refused_problems(
     others = [str(n).strip() for n in names if str(n).strip() not in (*TRACKERS, "none", "")]
     if others:
         problems.append(
-            f"{where}.report_to {', '.join(map(show, others))} would send the run's figures to "
+            f"{where}.report_to {', '.join(others)} would send the run's figures to "
             f"a tracker the project does not set up: refused ({TRACKING})"
         )
     return problems
@@ -527,7 +527,7 @@ def check_request(
         )
     template = str(request.get("model_template") or "")
     if template:
-        problems += _template_problems(template, "model_template")
+        problems += template_problems(template, "model_template")
     problems += _refused_problems(request.get("train_args", {}))
     out["train_args"], bad_args = check_train_args(request.get("train_args", {}))
     problems += bad_args
