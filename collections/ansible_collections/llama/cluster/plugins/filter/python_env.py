@@ -136,9 +136,10 @@ def install_argv(packages: Iterable[str], spec: Mapping[str, Any]) -> list[str]:
 
     spec: installer (uv | pip), env_bin, constraints (a file; uv checks the hashes it holds),
     wheelhouse (a directory: no index at all) or index_urls (one index: a second is refused, so
-    that no package can come from an index other than its own), no_deps (bool), dry_run (bool: say what would change and change nothing,
-    the plan's check mode), requirements (a file of pins with their hashes, installed in pip's
-    hash-checking mode, --require-hashes: every package of the install must be in it).
+    that no package can come from an index other than its own), no_deps (bool), dry_run (bool:
+    say what would change and change nothing, the plan's check mode), requirements (a file of
+    pins with their hashes, installed in hash-checking mode, --require-hashes: every package of
+    the install must be in it).
     """
     installer = spec.get("installer")
     if installer not in INSTALLERS:
