@@ -18,6 +18,7 @@ table cannot drift from the planner. Run it with the controller's venv.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -60,10 +61,16 @@ KINDS = {
 STACK = {"bitsandbytes": "0.50.2", "liger-kernel": "0.8.5"}
 
 
+@functools.cache
+def group_vars(name: str) -> dict[str, Any]:
+    """One file of group_vars/all, read once (the dry run of bench/gpu plans many requests)."""
+    return yaml.safe_load((ROOT / "group_vars" / "all" / f"{name}.yml").read_text())
+
+
 def settings() -> dict[str, Any]:
     """The planner's settings from group_vars/all, as the run_plan action reads them."""
-    training = yaml.safe_load((ROOT / "group_vars/all/training.yml").read_text())
-    models = yaml.safe_load((ROOT / "group_vars/all/models.yml").read_text())
+    training = group_vars("training")
+    models = group_vars("models")
     return {
         "catalogue": models["models_catalogue"],
         "defaults": training["training_defaults"],
@@ -75,7 +82,7 @@ def settings() -> dict[str, Any]:
 
 
 def request(model: str, extra: dict[str, Any]) -> dict[str, Any]:
-    training = yaml.safe_load((ROOT / "group_vars/all/training.yml").read_text())
+    training = group_vars("training")
     return {
         "model": model,
         "deepspeed": "auto",
