@@ -439,6 +439,7 @@ COMPILE = [
         "8b lora none ckpt 4x2048 24 liger=true alone=true",
         "8b lora none ckpt 4x2048 24 liger=true compile=true steps=10 alone=true",
         "1.5b full none ckpt 2x2048 24 optim=adamw_8bit compile=true steps=10 alone=true",
+        "1.5b full none ckpt 2x2048 24 optim=adamw_8bit alone=true",
         "8b lora none ckpt 2x2048 24 compile=true steps=10 alone=true",
         "1.5b full none nockpt 4x2048 80 fp8=true compile=true steps=10 alone=true",
     )
