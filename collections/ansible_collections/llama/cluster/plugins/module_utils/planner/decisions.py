@@ -13,6 +13,7 @@ from typing import Any
 
 from .errors import PlanError
 from .memory import Memory, gib_text
+from .techniques import PLAIN, Technique
 
 STAGE_ORDER = {
     # Never ZeRO-3 while a smaller stage fits: it gathers every layer's weights over the network
@@ -269,6 +270,14 @@ def _round(value: float) -> int:
     return math.floor(value + 0.5)
 
 
+def step_rows(ask: BatchRequest) -> int:
+    """Rows (packed) or samples of one process per optimizer step, however batch_options splits
+    them into micro-batch x accumulation."""
+    if (ask.micro and ask.accumulation) or not ask.packing:
+        return (ask.micro or ask.default_micro) * (ask.accumulation or ask.default_accumulation)
+    return max(1, _round(ask.tokens_per_step / ask.cutoff))
+
+
 def estimate_steps(
     args: Mapping[str, Any], *, records: int | None, world: int, cutoff: int, record_tokens: int
 ) -> int | None:
@@ -289,6 +298,17 @@ def estimate_steps(
     return int(float(args.get("num_train_epochs", 1)) * math.ceil(records / per_step))
 
 
+def _compile_blocked(accelerator: str, stage: str, steps: int | None) -> str:
+    """Why torch.compile cannot be weighed at all ('' when it can)."""
+    if accelerator == "cpu":
+        return "never on CPUs"
+    if stage != "none":
+        return "measured with plain DDP only, not with DeepSpeed or FSDP"
+    if steps is None:
+        return "run length unknown: no max_steps and no dataset record count"
+    return ""
+
+
 def choose_compile(
     accelerator: str,
     stage: str,
@@ -297,31 +317,33 @@ def choose_compile(
     *,
     step_seconds: float | None = None,
     finetuning: str = "full",
+    technique: Technique = PLAIN,
 ) -> tuple[bool, str]:
     """torch.compile when the run is long enough to repay its compilation; never on CPUs.
 
-    With a predicted step time (the cost model's), compiling pays when the time it saves over
-    the run, `steps` x `step_seconds` x the measured saving, is at least its measured one-off
-    cost; near that point either choice costs little. Without one (no model shape), the run
-    must have `min_optimizer_steps`.
+    With a predicted step time of `technique` uncompiled (the cost model's), compiling pays when
+    the time it saves over the run, `steps` x `step_seconds` x the share of a step it saved that
+    technique (techniques.COMPILE_SAVING), is at least its measured one-off cost; near that point
+    either choice costs little. A technique it was not measured with is not compiled. Without a
+    step time (no model shape), the run must have `min_optimizer_steps`.
     """
-    if accelerator == "cpu":
-        return False, "never on CPUs"
-    if stage != "none":
-        return False, "measured with plain DDP only, not with DeepSpeed or FSDP"
-    if steps is None:
-        return False, "run length unknown: no max_steps and no dataset record count"
+    blocked = _compile_blocked(accelerator, stage, steps)
+    if blocked or steps is None:
+        return False, blocked
     if step_seconds is None:
         minimum = int(settings["min_optimizer_steps"])
         if steps < minimum:
             return False, f"about {steps} optimizer steps, fewer than the {minimum} that repay it"
         return True, f"about {steps} optimizer steps (model shape unknown: at least {minimum})"
+    saving = technique.compile_saving(finetuning)
+    if saving is None:
+        return False, f"not measured with {technique.uncompiled.label()}"
     costs = settings["compile_seconds"]
     cost = float(costs.get("lora" if finetuning == "lora" else "full", 0))
-    saved = steps * step_seconds * float(settings["step_saving"])
+    saved = steps * step_seconds * saving
     verdict = (
-        f"about {steps} optimizer steps of ~{step_seconds:.2f} s save ~{saved:.0f} s against "
-        f"~{cost:.0f} s of compiling"
+        f"about {steps} optimizer steps of ~{step_seconds:.2f} s save ~{saved:.0f} s "
+        f"({saving:.0%} of each) against ~{cost:.0f} s of compiling"
     )
     return saved >= cost, verdict
 
