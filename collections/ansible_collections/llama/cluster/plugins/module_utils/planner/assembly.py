@@ -21,6 +21,8 @@ from .decisions import (
     choose_fp8,
     choose_stage,
     estimate_steps,
+    first_step,
+    fp8_pays,
     largest_micro,
     step_rows,
 )
@@ -545,16 +547,10 @@ def assemble(
         )
     decisions["deepspeed"] = stage_why
     decisions["technique"] = _technique_line(search, technique, request["numerics"], available)
-    environment: dict[str, str] = {}
-    # -e fp8=true, or fp8 in train_args (which alone would train in bf16: choose_fp8 says why).
-    if request.get("fp8") or args.get("fp8") is True:
-        if request["numerics"] == "exact":
-            raise PlanError(
-                "FP8 changes the run's numerics, and numerics=exact forbids every such change. "
-                "Leave fp8 off, or set -e numerics=measured."
-            )
-        fp8_args, environment, decisions["fp8"] = choose_fp8(nodes, accelerator, stage)
-        args = {**args, **fp8_args}
+    args, environment = _precision(
+        request, model, args, decisions, nodes=nodes, stage=stage, settings=data,
+        step_seconds=cost(batch) if cost is not None else None, steps=steps,
+    )  # fmt: skip
     environment.update(stage_environment(stage))
     micro = int(args.get("per_device_train_batch_size", 1))
     accumulation = int(args.get("gradient_accumulation_steps", 1))
@@ -646,6 +642,48 @@ def assemble(
     }
     result["summary"] = summary(result, smallest, smallest_host, performance_lines)
     return result
+
+
+def _precision(
+    request: Mapping[str, Any],
+    model: Mapping[str, Any],
+    args: dict[str, Any],
+    decisions: dict[str, str],
+    *,
+    nodes: Sequence[Mapping[str, Any]],
+    stage: str,
+    settings: Settings,
+    step_seconds: float | None,
+    steps: int | None,
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """FP8 where asked (-e fp8=true, or fp8 in train_args, which alone would train in bf16:
+    choose_fp8 says why) and the time to the first step; the arguments and the ranks'
+    environment, the decisions' lines added."""
+    accelerator = nodes[0]["accelerator"] if nodes else "cpu"
+    environment: dict[str, str] = {}
+    if request.get("fp8") or args.get("fp8") is True:
+        if request["numerics"] == "exact":
+            raise PlanError(
+                "FP8 changes the run's numerics, and numerics=exact forbids every such change. "
+                "Leave fp8 off, or set -e numerics=measured."
+            )
+        pays = fp8_pays(
+            float(model["params_b"]), steps=steps, step_seconds=step_seconds,
+            settings=settings.compile,
+        )  # fmt: skip
+        fp8_args, environment, decisions["fp8"] = choose_fp8(nodes, accelerator, stage, pays)
+        args = {**args, **fp8_args}
+    if accelerator == "cpu":
+        decisions["first_step"] = "not predicted (a CPU cluster: measured on GPUs)"
+    else:
+        _, decisions["first_step"] = first_step(
+            float(model["params_b"]),
+            compiled=bool(args.get("torch_compile")),
+            fp8=bool(args.get("fp8")),
+            finetuning=str(model["finetuning_type"]),
+            settings=settings.compile,
+        )
+    return args, environment
 
 
 def _costs(
