@@ -337,7 +337,8 @@ def choose_compile(
         return True, f"about {steps} optimizer steps (model shape unknown: at least {minimum})"
     saving = technique.compile_saving(finetuning)
     if saving is None:
-        return False, f"not measured with {technique.uncompiled.label()}"
+        failed = technique.compile_failure(finetuning)
+        return False, failed or f"not measured with {technique.uncompiled.label()}"
     costs = settings["compile_seconds"]
     cost = float(costs.get("lora" if finetuning == "lora" else "full", 0))
     saved = steps * step_seconds * saving

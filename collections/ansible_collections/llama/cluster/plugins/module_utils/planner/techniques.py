@@ -65,6 +65,13 @@ class Technique:
         kind = "full" if finetuning == "full" else "lora"
         return COMPILE_SAVING.get((kind, self.optim, self.liger, self.quant))
 
+    def compile_failure(self, finetuning: str) -> str | None:
+        """Why torch.compile failed with this technique where it was measured to (COMPILE_FAILS),
+        None elsewhere."""
+        kind = "full" if finetuning == "full" else "lora"
+        failed = COMPILE_FAILS.get((kind, self.optim, self.liger, self.quant))
+        return f"{failed} (measured)" if failed else None
+
     def label(self) -> str:
         """'8-bit AdamW + Liger', '' for the plain run."""
         parts = []
@@ -133,11 +140,22 @@ QUANTIZED = {("lora", "none"): (QLORA,)}
 # torch.compile's share of a step saved, by (fine-tuning kind, optimizer, Liger, QLoRA bits),
 # each against the same configuration uncompiled in the same device call, with plain DDP:
 # BENCHMARKS.md section 7 (1.5B full, packed, no checkpointing: 0.253 -> 0.200 s and 0.255 ->
-# 0.206 s) and section 3.1 (7B LoRA: 0.704 -> 0.558 s). A technique not named here is never
-# compiled by the planner.
+# 0.206 s), section 3.1 (7B LoRA: 0.704 -> 0.558 s) and section 12 (one H100 under a 24 GiB
+# cap: 1.5B full with 8-bit AdamW, checkpointing, 2 rows: 0.2455 -> 0.1921 s; 8B LoRA with Liger,
+# 4 rows: 0.970 -> 1.078 s, slower compiled: Liger's Triton kernels are not traced, and every
+# checkpointed layer breaks the graph). A technique not named here is never compiled by the
+# planner.
 COMPILE_SAVING: dict[tuple[str, str, bool, int], float] = {
     ("full", "adamw_torch", False, 0): 0.19,
+    ("full", "adamw_8bit", False, 0): 0.22,
     ("lora", "adamw_torch", False, 0): 0.21,
+    ("lora", "adamw_torch", True, 0): -0.11,
+}
+# Where compiling failed outright (section 12: a full fine-tune with Liger, whose fused linear
+# cross-entropy over the trainable lm_head fails Dynamo's tracing, TorchRuntimeError in addmm).
+COMPILE_FAILS = {
+    ("full", optim, True, 0): "Liger's fused cross-entropy fails torch.compile's tracing"
+    for optim in ("adamw_torch", "adamw_8bit")
 }
 
 # The figures the plan prints beside a numerics change (BENCHMARKS.md section 10).
@@ -165,15 +183,18 @@ def candidates(
     `quantization`: the QLoRA bits the user asked for (then only QLoRA); `available`: the
     optional packages every node has; `fallback`: QLoRA alone, for a LoRA run whose bf16 weights
     fit the GPU with no stage (never under numerics exact); `compiling`: each technique's
-    compiled twin too, where it was measured (COMPILE_SAVING; plain DDP only)."""
-    for technique in _uncompiled(
-        finetuning, stage, numerics=numerics, quantization=quantization, available=available,
-        fallback=fallback,
-    ):  # fmt: skip
-        yield technique
-        twin = replace(technique, compiled=True)
-        if compiling and stage == "none" and twin.compile_saving(finetuning) is not None:
-            yield twin
+    compiled twin too, where it was measured (COMPILE_SAVING; plain DDP only), after every
+    uncompiled one (the search judges Liger by whether the uncompiled plain run recomputes)."""
+    uncompiled = list(
+        _uncompiled(
+            finetuning, stage, numerics=numerics, quantization=quantization, available=available,
+            fallback=fallback,
+        )
+    )  # fmt: skip
+    yield from uncompiled
+    if compiling and stage == "none":
+        twins = (replace(t, compiled=True) for t in uncompiled)
+        yield from (t for t in twins if t.compile_saving(finetuning) is not None)
 
 
 def _uncompiled(
