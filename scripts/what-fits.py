@@ -6,7 +6,8 @@
 
 Each cell is what `train.yml -e model=M` plans for one GPU of that size (one node, the node
 stack's bitsandbytes and liger-kernel installed, numerics measured, the default 8,192 tokens per
-optimizer step): the DeepSpeed stage, the memory-saving technique, micro-batch x accumulation,
+optimizer step, a run of 3 epochs over 50,000 records, long enough to repay torch.compile where
+it was measured): the DeepSpeed stage, the memory-saving technique, micro-batch x accumulation,
 checkpointing, the predicted tokens/s, and the tokens/s measured on the H200 under that card's
 memory cap where a point of the same configuration ran alone (tests/data/cards_grid.json and
 memory_grid.json, BENCHMARKS.md sections 5 and 10), else "planned, not measured".
@@ -81,9 +82,14 @@ def settings() -> dict[str, Any]:
     }
 
 
+# The records of the run each cell plans (its length decides torch.compile).
+RECORDS = 50000
+
+
 def request(model: str, extra: dict[str, Any]) -> dict[str, Any]:
     training = group_vars("training")
     return {
+        "dataset_records": RECORDS,
         "model": model,
         "deepspeed": "auto",
         "train_args": {},
@@ -122,12 +128,14 @@ def measured(points: list[dict[str, Any]], p: dict[str, Any], model: str, cap: i
             and point.get("optim", "adamw_torch") == tech["optim"]
             and bool(point.get("liger")) == tech["liger"]
             and int(point.get("quant") or 0) == tech["quantization_bit"]
+            and bool(point.get("compile")) == p["torch_compile"]
+            and not point.get("fp8")
             and point["checkpointing"] == p["gradient_checkpointing"]
             and point["micro_batch"] == args.get("per_device_train_batch_size")
             and point["cap_gib"] == cap
         )
         if same and point.get("tokens_per_s"):
-            return f"measured {point['tokens_per_s']:,.0f}"
+            return f"measured {point['tokens_per_s']:,.0f}" + point.get("on", "")
     return ""
 
 
@@ -150,8 +158,10 @@ def cell(model: str, extra: dict[str, Any], gib: float, points: list[dict[str, A
 
 def table() -> str:
     points = []
-    for name in ("cards_grid.json", "memory_grid.json"):
-        points += json.loads((ROOT / "tests" / "data" / name).read_text())["points"]
+    for name in ("cards_grid.json", "memory_grid.json", "compile_grid.json"):
+        data = json.loads((ROOT / "tests" / "data" / name).read_text())
+        on = " on an H100" if "H100" in data.get("gpu", "") else ""  # the others: one H200
+        points += [{**point, "on": on} for point in data["points"]]
     lines = [
         "| model | fine-tuning | " + " | ".join(CARDS) + " |",
         "|---|---|" + "---|" * len(CARDS),
