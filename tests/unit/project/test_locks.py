@@ -229,9 +229,13 @@ def test_torch_build_lock_headers_match_their_inputs_and_lines():
         assert header.group(2) == lock.body_digest(lines), f"{path.name} was edited by hand"
 
 
-def test_a_torch_build_without_its_lock_is_refused_before_any_node_changes(tmp_path: Path):
+@pytest.mark.parametrize("required", [False, True])
+def test_a_torch_build_without_its_lock_is_named_and_refused_where_required(
+    tmp_path: Path, required: bool
+):
     # A build whose index this machine cannot reach (download.pytorch.org) has no lock until
-    # scripts/lock-node-env.py --builds <build> runs where it can: provision's pre-flight refuses.
+    # scripts/lock-node-env.py --builds <build> runs where it can: provision's pre-flight says so
+    # and installs it by its pins, or refuses it where torch_require_lock asks.
     unlocked = [b for b in INPUTS["builds"] if not lock.build_lock_path("3.11", b).exists()]
     if not unlocked:
         pytest.skip("every torch build has its lock")
@@ -253,11 +257,13 @@ def test_a_torch_build_without_its_lock_is_refused_before_any_node_changes(tmp_p
         }
     ]
     host = {**LOCAL, "host_facts_os_key": "debian-12", "cluster_accelerator": "nvidia",
-            "cuda_version": cuda}  # fmt: skip
+            "cuda_version": cuda, "torch_require_lock": required}  # fmt: skip
     out = run_cases(tmp_path, {"all": {"hosts": {"n1": host}}}, play)
     said = " ".join(out.split())
     assert f"No lock torch-{build}-py311.txt for torch's {build} build" in said, said[-3000:]
     assert f"scripts/lock-node-env.py --builds {build}" in said
+    assert ("torch_require_lock is true: nothing was changed" in said) is required
+    assert ("Installing it by its version pins from that index alone" in said) is not required
 
 
 def _sha256(path: Path) -> str:
