@@ -490,7 +490,7 @@ def test_train_refuses_one_machine_under_two_names_from_the_facts_before_writing
     rc, out = run("train.yml", yaml_inventory(tmp_path, inventory), "-e", "model=tiny")
     said = " ".join(out.split())
     assert rc != 0, said[-3000:]
-    assert "TASK [Train | Refuse two inventory hosts that are one machine]" in said
+    assert "TASK [run_config : Run config | Refuse two inventory hosts that are one machine]" in said
     assert "a and b are one machine: they have, in their facts, the same machine-id" in said
     assert "Nothing was written on any node." in said
     assert "Refuse to start while a run is in progress" not in said

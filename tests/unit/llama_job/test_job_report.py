@@ -22,7 +22,6 @@ from ansible_collections.llama.cluster.plugins.filter.job import (
     job_resume,
     job_run_summary,
     job_status_lines,
-    job_trainer_log,
 )
 from ansible_collections.llama.cluster.plugins.filter.job import (
     job_status_of as job_status,
@@ -453,16 +452,6 @@ def test_found_files_keep_the_entries_and_none_for_a_silent_node():
         "node1": _checkpoints(5),
         "node2": None,
     }
-
-
-def test_the_summary_of_train_yml_reads_the_last_attempt_of_the_log():
-    attempt1 = [{"current_steps": s, "total_steps": 8, "loss": 9.0} for s in range(1, 7)]
-    attempt2 = [{"current_steps": s, "total_steps": 8, "loss": 1.0 + s} for s in range(5, 9)]
-    closing = {"current_steps": 8, "total_steps": 8}
-    text = "\n".join(json.dumps(r) for r in [*attempt1, *attempt2, closing])
-    figures = job_trainer_log(text)
-    assert (figures["last_step"], figures["final_loss"], figures["records"]) == (8, 9.0, 5)
-    assert job_trainer_log("")["final_loss"] is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -911,17 +900,3 @@ def test_a_nodes_log_splits_into_one_log_per_rank_with_the_agents_lines_in_each(
     ]
     assert "OMP_NUM_THREADS" not in "".join(logs.values())  # the launcher's line: the node's log
     assert job_filters.job_rank_logs("no rank printed anything\n") == {}
-
-
-def test_the_ranks_line_names_every_node_in_rank_order():
-    status = {
-        "job": "r",
-        "phase": "succeeded",
-        "nodes": {
-            "b": {"phase": "succeeded", "rank": 1, "ranks": [2, 3]},
-            "a": {"phase": "succeeded", "rank": 0, "ranks": [0, 1]},
-        },
-    }
-    line = job_filters.job_ranks_line(status)
-    assert line == "a: ranks 0-1 (node rank 0); b: ranks 2-3 (node rank 1)"
-    assert job_filters.job_ranks_line({"job": "r", "phase": "succeeded", "nodes": {}}) == ""

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ from ansible_collections.llama.cluster.plugins.module_utils.planner.nodes import
     node_gpu_memory,
     node_host_memory,
 )
+from ansible_collections.llama.cluster.plugins.module_utils.planner.plan import Plan, Stage
 from ansible_collections.llama.cluster.plugins.module_utils.planner.rules import (
     RULE_KEYS,
     apply_rules,
@@ -128,7 +130,7 @@ def make_plan(
     cluster: list[dict[str, Any]] | None = None,
     settings: dict[str, Any] | None = None,
     **extra: Any,
-) -> dict[str, Any]:
+) -> Plan:
     cluster = nodes() if cluster is None else cluster
     return plan(
         request(model, **extra),
@@ -203,9 +205,9 @@ def test_the_stage_table_covers_every_catalogue_model() -> None:
 @pytest.mark.parametrize(("model", "finetuning", "gib", "count", "stage"), stage_cases())
 def test_deepspeed_stage(model: str, finetuning: str, gib: int, count: int, stage: str) -> None:
     plan = make_plan(model, cluster=nodes(count, gib=gib), finetuning_type=finetuning)
-    label = plan["technique"]["label"]
-    assert SHORT[plan["deepspeed"]] + TECHNIQUE_MARK[label] == stage
-    assert plan["memory_estimate_gib"] <= plan["memory_budget_gib"]
+    label = plan.technique.label
+    assert SHORT[plan.stage.stage] + TECHNIQUE_MARK[label] == stage
+    assert plan.memory.estimate_gib <= plan.memory.budget_gib
 
 
 @pytest.mark.parametrize("model", GPU_MODELS)
@@ -213,20 +215,20 @@ def test_deepspeed_stage(model: str, finetuning: str, gib: int, count: int, stag
 def test_freeze_plans_like_lora(model: str, gib: int) -> None:
     lora = make_plan(model, cluster=nodes(2, gib=gib), finetuning_type="lora")
     freeze = make_plan(model, cluster=nodes(2, gib=gib), finetuning_type="freeze")
-    assert freeze["deepspeed"] == lora["deepspeed"]
-    assert freeze["gradient_checkpointing"] == lora["gradient_checkpointing"]
+    assert freeze.stage.stage == lora.stage.stage
+    assert freeze.batch.checkpointing == lora.batch.checkpointing
 
 
 def test_eight_gpu_nodes_shard_a_full_7b_with_zero1_not_zero3() -> None:
     plan = make_plan(cluster=nodes(2, nproc=8, gib=80), finetuning_type="full")
-    assert plan["deepspeed"] == "zero1"
-    assert plan["world_size"] == 16
+    assert plan.stage.stage == "zero1"
+    assert plan.world_size == 16
 
 
 def test_a_stage_asked_for_is_kept_and_said_so() -> None:
     plan = make_plan("qwen2.5-0.5b", deepspeed="zero3")
-    assert plan["deepspeed"] == "zero3"
-    line = next(x for x in plan["summary"] if x.startswith("DeepSpeed:"))
+    assert plan.stage.stage == "zero3"
+    line = next(x for x in plan.summary if x.startswith("DeepSpeed:"))
     assert line.startswith("DeepSpeed: zero3 (deepspeed=zero3 given; the fastest predicted of its")
 
 
@@ -242,9 +244,9 @@ def test_a_stage_asked_for_that_does_not_fit_is_refused_with_what_each_technique
 
 def test_cpu_clusters_train_with_plain_ddp() -> None:
     plan = make_plan("tiny", cluster=nodes(2, accelerator="cpu"))
-    assert plan["deepspeed"] == "none"
-    assert plan["gpu_memory_gib"] is None
-    assert "CPU cluster" in plan["decisions"]["deepspeed"]
+    assert plan.stage.stage == "none"
+    assert plan.memory.gpu_gib is None
+    assert "CPU cluster" in plan.stage.why
 
 
 def test_the_plan_is_for_the_smallest_gpu_of_any_node() -> None:
@@ -252,9 +254,9 @@ def test_the_plan_is_for_the_smallest_gpu_of_any_node() -> None:
     cluster[1]["gpu_memory_gib"] = 24.0
     plan = make_plan("qwen2.5-1.5b", cluster=cluster, finetuning_type="full")
     alone = make_plan("qwen2.5-1.5b", cluster=nodes(2, gib=24.0), finetuning_type="full")
-    assert plan["gpu_memory_gib"] == 24.0
-    assert plan["deepspeed"] == alone["deepspeed"] == "zero1"
-    assert any("smallest node: n1" in line for line in plan["summary"])
+    assert plan.memory.gpu_gib == 24.0
+    assert plan.stage.stage == alone.stage.stage == "zero1"
+    assert any("smallest node: n1" in line for line in plan.summary)
 
 
 def test_a_model_too_long_for_any_stage_is_refused() -> None:
@@ -268,10 +270,10 @@ def test_a_profile_rule_may_choose_the_stage() -> None:
         {"name": "ZeRO-2 for 8B", "when": {"model": "llama3-8b"}, "set": {"deepspeed": "zero2"}},
     ]
     plan = make_plan("llama3-8b", settings={**SETTINGS, "rules": rules})
-    assert plan["deepspeed"] == "zero2"
-    assert "deepspeed" not in plan["train_args"]
+    assert plan.stage.stage == "zero2"
+    assert "deepspeed" not in plan.train_args
     asked = make_plan("llama3-8b", settings={**SETTINGS, "rules": rules}, deepspeed="zero3")
-    assert asked["deepspeed"] == "zero3"
+    assert asked.stage.stage == "zero3"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,7 +282,7 @@ def test_a_profile_rule_may_choose_the_stage() -> None:
 
 
 def test_gpu_profile_sets_precision_attention_and_packing() -> None:
-    args = make_plan()["train_args"]
+    args = make_plan().train_args
     assert args["bf16"] is True
     assert args["pure_bf16"] is False
     assert args["flash_attn"] == "sdpa"
@@ -291,18 +293,18 @@ def test_gpu_profile_sets_precision_attention_and_packing() -> None:
 
 def test_cpu_profile_sets_fp32_single_workers_and_model_only_checkpoints() -> None:
     plan = make_plan("tiny", cluster=nodes(2, accelerator="cpu"))
-    args = plan["train_args"]
+    args = plan.train_args
     assert args["bf16"] is False
     assert (args["preprocessing_num_workers"], args["dataloader_num_workers"]) == (1, 0)
     assert args["save_only_model"] is True
     assert "packing" not in args
     assert "torch_compile" not in args
-    single = make_plan("tiny", cluster=nodes(1, accelerator="cpu"))["train_args"]
+    single = make_plan("tiny", cluster=nodes(1, accelerator="cpu")).train_args
     assert "save_only_model" not in single  # the rule needs min_world_size 2
 
 
 def test_pretraining_is_not_packed_by_the_sft_rule() -> None:
-    args = make_plan(train_args={"stage": "pt"})["train_args"]
+    args = make_plan(train_args={"stage": "pt"}).train_args
     assert "packing" not in args
 
 
@@ -341,9 +343,9 @@ def test_every_rule_key_is_documented_in_training_yml() -> None:
 
 def test_the_users_train_args_win_over_the_profile_and_the_defaults() -> None:
     plan = make_plan(train_args={"packing": False, "learning_rate": 2e-5, "bf16": False})
-    assert plan["train_args"]["packing"] is False
-    assert plan["train_args"]["bf16"] is False
-    assert plan["train_args"]["learning_rate"] == 2e-5
+    assert plan.train_args["packing"] is False
+    assert plan.train_args["bf16"] is False
+    assert plan.train_args["learning_rate"] == 2e-5
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,20 +355,20 @@ def test_the_users_train_args_win_over_the_profile_and_the_defaults() -> None:
 
 def test_rows_per_step_come_from_tokens_per_step_and_cutoff() -> None:
     plan = make_plan("qwen2.5-0.5b", cutoff_len=1024, tokens_per_step=6144)
-    assert plan["train_args"]["per_device_train_batch_size"] == 6
-    assert plan["train_args"]["gradient_accumulation_steps"] == 1
-    assert plan["tokens_per_step"] == 6144
+    assert plan.train_args["per_device_train_batch_size"] == 6
+    assert plan.train_args["gradient_accumulation_steps"] == 1
+    assert plan.batch.tokens_per_step == 6144
 
 
 def test_rows_round_to_whole_rows() -> None:
     plan = make_plan("qwen2.5-0.5b", tokens_per_step=3072)  # 1.5 rows of 2048
-    assert plan["tokens_per_step"] == 4096
+    assert plan.batch.tokens_per_step == 4096
 
 
 def test_the_micro_batch_is_the_largest_divisor_that_fits_without_checkpointing() -> None:
     # 7B LoRA on 80 GiB: 4 rows of 2048 per step; 3 would not fit, 2 do: 2 x 2.
     plan = make_plan(cluster=nodes(1, gib=80))
-    args = plan["train_args"]
+    args = plan.train_args
     assert (args["per_device_train_batch_size"], args["gradient_accumulation_steps"]) == (2, 2)
     assert args["disable_gradient_checkpointing"] is True
     assert args["ddp_find_unused_parameters"] is False
@@ -375,32 +377,32 @@ def test_the_micro_batch_is_the_largest_divisor_that_fits_without_checkpointing(
 def test_checkpointing_stays_on_where_no_micro_batch_fits_without_it() -> None:
     # Without Liger (a node whose stack lacks it): 7B LoRA's logits leave room for one row.
     plan = make_plan(cluster=nodes(1, gib=RTX4090_GIB, packages={}))
-    args = plan["train_args"]
-    assert plan["deepspeed"] == "none"
-    assert plan["gradient_checkpointing"] is True
+    args = plan.train_args
+    assert plan.stage.stage == "none"
+    assert plan.batch.checkpointing is True
     assert "disable_gradient_checkpointing" not in args
     assert "ddp_find_unused_parameters" not in args
     assert (args["per_device_train_batch_size"], args["gradient_accumulation_steps"]) == (1, 4)
-    assert "would not fit without recomputing" in plan["decisions"]["checkpointing"]
+    assert "would not fit without recomputing" in plan.batch.checkpointing_why
 
 
 def test_a_micro_batch_the_user_sets_is_kept_and_the_accumulation_follows() -> None:
     plan = make_plan("qwen2.5-0.5b", cutoff_len=1024, train_args={"per_device_train_batch_size": 2})
-    args = plan["train_args"]
+    args = plan.train_args
     assert (args["per_device_train_batch_size"], args["gradient_accumulation_steps"]) == (2, 4)
 
 
 def test_an_accumulation_the_user_sets_is_kept_and_the_micro_batch_follows() -> None:
     plan = make_plan("qwen2.5-0.5b", cutoff_len=1024, train_args={"gradient_accumulation_steps": 2})
-    args = plan["train_args"]
+    args = plan.train_args
     assert (args["per_device_train_batch_size"], args["gradient_accumulation_steps"]) == (4, 2)
 
 
 def test_without_packing_the_batch_comes_from_the_defaults() -> None:
     plan = make_plan("qwen2.5-0.5b", train_args={"packing": False})
-    args = plan["train_args"]
+    args = plan.train_args
     assert (args["per_device_train_batch_size"], args["gradient_accumulation_steps"]) == (1, 8)
-    assert any("at most: samples of up to 2048" in line for line in plan["summary"])
+    assert any("at most: samples of up to 2048" in line for line in plan.summary)
 
 
 def test_a_micro_batch_that_does_not_fit_is_refused_naming_the_largest_that_fits() -> None:
@@ -414,7 +416,7 @@ def test_a_micro_batch_that_does_not_fit_is_refused_naming_the_largest_that_fits
     assert json.loads(found.group(2)) == {"train_args": {"per_device_train_batch_size": largest}}
     assert 1 < largest < 16
     fits = make_plan(cluster=gpus, train_args={"per_device_train_batch_size": largest})
-    assert fits["deepspeed"] == "none"
+    assert fits.stage.stage == "none"
     with pytest.raises(
         PlanError, match="does not fit the GPUs with deepspeed=none: a micro-batch of"
     ):
@@ -483,8 +485,8 @@ def test_max_samples_caps_the_records_each_dataset_gives() -> None:
 
 def test_checkpointing_the_user_asks_for_is_kept() -> None:
     plan = make_plan("qwen2.5-0.5b", train_args={"disable_gradient_checkpointing": False})
-    assert plan["gradient_checkpointing"] is True
-    assert plan["decisions"]["checkpointing"] == "as set"
+    assert plan.batch.checkpointing is True
+    assert plan.batch.checkpointing_why == "as set"
 
 
 @pytest.mark.parametrize(
@@ -498,15 +500,15 @@ def test_effective_batch_is_micro_times_accumulation_times_world(
     plan = make_plan(
         "qwen2.5-0.5b", cluster=nodes(count, nproc=nproc), cutoff_len=2048, train_args=train_args
     )
-    args = plan["train_args"]
+    args = plan.train_args
     world = count * nproc
-    assert plan["world_size"] == world
-    assert plan["effective_batch"] == effective
+    assert plan.world_size == world
+    assert plan.batch.effective == effective
     assert (
         args["per_device_train_batch_size"] * args["gradient_accumulation_steps"] * world
         == effective
     )
-    assert plan["tokens_per_optimizer_step"] == plan["tokens_per_step"] * world
+    assert plan.batch.tokens_per_optimizer_step == plan.batch.tokens_per_step * world
 
 
 def test_cpu_effective_batch_uses_the_catalogue_and_the_users_values() -> None:
@@ -515,9 +517,9 @@ def test_cpu_effective_batch_uses_the_catalogue_and_the_users_values() -> None:
         cluster=nodes(3, nproc=4, accelerator="cpu"),
         train_args={"gradient_accumulation_steps": 3},
     )
-    assert "Nodes 3 x 4 processes = world size 12 (cpu)" in plan["summary"]
-    assert plan["effective_batch"] == 72
-    assert plan["summary"][2].startswith(
+    assert "Nodes 3 x 4 processes = world size 12 (cpu)" in plan.summary
+    assert plan.batch.effective == 72
+    assert plan.summary[2].startswith(
         "Effective batch 72 = per-device 2 x accumulation 3 x world size 12"
     )
 
@@ -617,21 +619,21 @@ def test_h200_plan_for_the_1_5b_full_fine_tune_is_the_benchmarked_profile(
     plan = make_plan(
         "qwen2.5-1.5b", finetuning_type="full", cutoff_len=1024, tokens_per_step=tokens
     )
-    assert plan["deepspeed"] == "none"
-    assert plan["model"]["cutoff_len"] == PRESETS[preset]["cutoff_len"]
-    assert {key: plan["train_args"].get(key) for key in PLANNED} == _benchmarked(preset)
-    assert not plan["train_args"].get("enable_liger_kernel", False)
-    assert plan["train_args"]["pure_bf16"] is False
+    assert plan.stage.stage == "none"
+    assert plan.model["cutoff_len"] == PRESETS[preset]["cutoff_len"]
+    assert {key: plan.train_args.get(key) for key in PLANNED} == _benchmarked(preset)
+    assert not plan.train_args.get("enable_liger_kernel", False)
+    assert plan.train_args["pure_bf16"] is False
 
 
 def test_h200_plan_for_the_7b_lora_is_3_packed_rows_without_checkpointing() -> None:
     # Issue 17: the same LoRA with 3 packed rows of 1024 and no checkpointing, 8.9x the example.
     plan = make_plan("qwen2.5-7b", cutoff_len=1024, tokens_per_step=3072)
-    args = plan["train_args"]
-    assert plan["deepspeed"] == "none"
-    assert plan["model"]["finetuning_type"] == "lora"
+    args = plan.train_args
+    assert plan.stage.stage == "none"
+    assert plan.model["finetuning_type"] == "lora"
     assert {key: args.get(key) for key in PLANNED} == _benchmarked("profile_noliger")
-    assert plan["memory_estimate_gib"] >= 38.0  # measured peak, eager
+    assert plan.memory.estimate_gib >= 38.0  # measured peak, eager
 
 
 def test_torch_compile_is_on_for_a_long_h200_run_and_off_for_a_short_one() -> None:
@@ -641,19 +643,19 @@ def test_torch_compile_is_on_for_a_long_h200_run_and_off_for_a_short_one() -> No
     short = make_plan(
         "qwen2.5-7b", cutoff_len=1024, tokens_per_step=3072, train_args={"max_steps": 80}
     )
-    assert long["train_args"]["torch_compile"] is True
-    assert "torch_compile" not in short["train_args"]
-    assert short["decisions"]["torch_compile"].startswith("about 80 optimizer steps of ~")
-    assert "against ~126 s of compiling" in short["decisions"]["torch_compile"]
+    assert long.train_args["torch_compile"] is True
+    assert "torch_compile" not in short.train_args
+    assert short.batch.compile_why.startswith("about 80 optimizer steps of ~")
+    assert "against ~126 s of compiling" in short.batch.compile_why
 
 
 def test_a_run_of_2250_steps_compiles_where_compiling_repays_itself() -> None:
     # BENCHMARKS.md 7: 12,000 records, 3 epochs, 1.5B full on one H200 (2,250 estimated steps).
     # Compiling took about 60 s and saved 53 ms of 0.253 s a step: (c3) finished before (d).
     plan = make_plan("qwen2.5-1.5b", finetuning_type="full", dataset_records=12000)
-    assert plan["decisions"]["estimated_steps"] == "2250"
-    assert plan["train_args"]["torch_compile"] is True
-    why = plan["decisions"]["torch_compile"]
+    assert plan.batch.steps == 2250
+    assert plan.train_args["torch_compile"] is True
+    why = plan.batch.compile_why
     saved = float(why.split(" save ~")[1].split(" s")[0])
     assert 84 <= saved <= 2250 * 0.30 * 0.19, why
 
@@ -686,14 +688,14 @@ def test_h200_plans_of_a_5_epoch_run_are_what_benchmarks_3_1_measured(
     plan = make_plan(
         model, finetuning_type=finetuning, dataset_records=12000, train_args={"num_train_epochs": 5}
     )
-    args = plan["train_args"]
-    assert plan["deepspeed"] == "none"
-    assert plan["model"]["cutoff_len"] == 2048
+    args = plan.train_args
+    assert plan.stage.stage == "none"
+    assert plan.model["cutoff_len"] == 2048
     assert (args["per_device_train_batch_size"], args["gradient_accumulation_steps"]) == (4, 1)
     assert args["packing"] is True
     assert args["disable_gradient_checkpointing"] is True
     assert args["torch_compile"] is True
-    assert plan["decisions"]["estimated_steps"] == "3750"
+    assert plan.batch.steps == 3750
 
 
 def test_24gb_plans_for_the_benchmarked_models() -> None:
@@ -706,25 +708,25 @@ def test_24gb_plans_for_the_benchmarked_models() -> None:
     )
     # 16 bytes per parameter (24.7 GB) do not fit; bitsandbytes' 8-bit AdamW (2 bytes of state
     # instead of 8) keeps the run on the GPU, without DeepSpeed: 3 checkpointed rows.
-    assert full["deepspeed"] == "none"
-    assert full["train_args"]["optim"] == "adamw_8bit"
-    assert full["train_args"]["per_device_train_batch_size"] == 3
-    assert full["gradient_checkpointing"] is True
-    assert "torch_compile" not in full["train_args"]
+    assert full.stage.stage == "none"
+    assert full.train_args["optim"] == "adamw_8bit"
+    assert full.train_args["per_device_train_batch_size"] == 3
+    assert full.batch.checkpointing is True
+    assert "torch_compile" not in full.train_args
     lora = make_plan(
         "qwen2.5-7b", cluster=nodes(1, gib=RTX4090_GIB), cutoff_len=1024, tokens_per_step=3072
     )
     # 15 GB of bf16 weights, and Liger's fused cross-entropy keeps the logits from being held
     # whole: three checkpointed rows at once (BENCHMARKS.md section 10).
-    assert lora["deepspeed"] == "none"
-    args = lora["train_args"]
+    assert lora.stage.stage == "none"
+    args = lora.train_args
     assert args["enable_liger_kernel"] is True
     assert (args["per_device_train_batch_size"], args["gradient_accumulation_steps"]) == (3, 1)
-    assert lora["gradient_checkpointing"] is True
-    assert lora["tokens_per_step"] == 3072
+    assert lora.batch.checkpointing is True
+    assert lora.batch.tokens_per_step == 3072
     for planned in (full, lora):
-        assert planned["train_args"]["packing"] is True
-        assert planned["memory_estimate_gib"] <= planned["memory_budget_gib"] < RTX4090_GIB
+        assert planned.train_args["packing"] is True
+        assert planned.memory.estimate_gib <= planned.memory.budget_gib < RTX4090_GIB
 
 
 # ---------------------------------------------------------------------------------------------
@@ -735,31 +737,31 @@ def test_24gb_plans_for_the_benchmarked_models() -> None:
 def test_compile_steps_are_estimated_from_the_record_count() -> None:
     # 4 rows of 2048 tokens, each about 4 records of 512 tokens: 16 records per step.
     plan = make_plan("qwen2.5-0.5b", dataset_records=10000)  # 625 steps an epoch, 3 epochs
-    assert plan["decisions"]["estimated_steps"] == "1875"
-    assert "torch_compile" not in plan["train_args"]
+    assert plan.batch.steps == 1875
+    assert "torch_compile" not in plan.train_args
     longer = make_plan("qwen2.5-0.5b", dataset_records=50000)
-    assert longer["decisions"]["estimated_steps"] == "9375"
-    assert longer["train_args"]["torch_compile"] is True
+    assert longer.batch.steps == 9375
+    assert longer.train_args["torch_compile"] is True
 
 
 def test_compile_is_off_when_the_run_length_is_unknown() -> None:
     plan = make_plan("qwen2.5-0.5b")
-    assert "torch_compile" not in plan["train_args"]
-    assert "run length unknown" in plan["decisions"]["torch_compile"]
+    assert "torch_compile" not in plan.train_args
+    assert "run length unknown" in plan.batch.compile_why
 
 
 def test_compile_is_never_on_for_cpus_or_deepspeed() -> None:
     cpu = make_plan("tiny", cluster=nodes(2, accelerator="cpu"), train_args={"max_steps": 10**5})
     zero = make_plan("qwen2.5-0.5b", deepspeed="zero2", train_args={"max_steps": 10**5})
-    assert "torch_compile" not in cpu["train_args"]
-    assert "torch_compile" not in zero["train_args"]
-    assert cpu["decisions"]["torch_compile"] == "never on CPUs"
+    assert "torch_compile" not in cpu.train_args
+    assert "torch_compile" not in zero.train_args
+    assert cpu.batch.compile_why == "never on CPUs"
 
 
 def test_compile_the_user_turns_off_stays_off() -> None:
     plan = make_plan("qwen2.5-0.5b", train_args={"max_steps": 10**5, "torch_compile": False})
-    assert plan["train_args"]["torch_compile"] is False
-    assert plan["decisions"]["torch_compile"] == "as set"
+    assert plan.train_args["torch_compile"] is False
+    assert plan.batch.compile_why == "as set"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -787,10 +789,10 @@ def test_a_model_sized_by_its_config_plans_like_the_catalogues_7b(
         model_template="qwen",
         model_config=QWEN25_7B_CONFIG,
     )
-    assert own["model"]["params_source"] == "counted from config.json"
-    assert own["deepspeed"] == catalogue["deepspeed"]
-    assert own["gradient_checkpointing"] == catalogue["gradient_checkpointing"]
-    assert own["model"]["layer_class"] == "Qwen2DecoderLayer"
+    assert own.model["params_source"] == "counted from config.json"
+    assert own.stage.stage == catalogue.stage.stage
+    assert own.batch.checkpointing == catalogue.batch.checkpointing
+    assert own.model["layer_class"] == "Qwen2DecoderLayer"
 
 
 def test_a_model_of_unknown_size_is_refused_asking_for_params_b() -> None:
@@ -802,11 +804,14 @@ def test_params_b_given_sizes_a_model_without_config() -> None:
     plan = make_plan(
         "mine", model_path="/models/mine", model_params_b="7.6", finetuning_type="full"
     )
-    assert plan["model"]["params_b"] == 7.6
-    assert plan["deepspeed"] == "zero3_offload"
+    assert plan.model["params_b"] == 7.6
+    # No cost model without a shape: the first stage of the search order that fits, ZeRO-2 with
+    # the optimizer offloaded (the search prefers it to ZeRO-3's offload wherever both fit).
+    assert plan.stage.stage == "zero2_offload"
+    assert plan.stage.source == "order"
     # Shape unknown: checkpointing on, one row per micro-batch.
-    assert plan["gradient_checkpointing"] is True
-    assert plan["train_args"]["per_device_train_batch_size"] == 1
+    assert plan.batch.checkpointing is True
+    assert plan.train_args["per_device_train_batch_size"] == 1
 
 
 def test_remote_code_needs_trust_and_the_plan_says_so() -> None:
@@ -814,9 +819,9 @@ def test_remote_code_needs_trust_and_the_plan_says_so() -> None:
     with pytest.raises(PlanError, match=r"own modelling code.*-e trust_remote_code=true"):
         make_plan("q1", model_path="/m/q1", model_config=config)
     plan = make_plan("q1", model_path="/m/q1", model_config=config, trust_remote_code="true")
-    assert plan["model"]["trust_remote_code"] is True
-    assert "trust_remote_code" in plan["summary"][0]
-    assert train_args(plan, "/r")["trust_remote_code"] is True
+    assert plan.model["trust_remote_code"] is True
+    assert "trust_remote_code" in plan.summary[0]
+    assert train_args(plan.to_dict(), "/r")["trust_remote_code"] is True
 
 
 @pytest.mark.parametrize("model", GPU_MODELS)
@@ -995,8 +1000,8 @@ def test_numbers_given_as_text_are_accepted_and_converted() -> None:
 
 def test_max_restarts_is_in_the_plan() -> None:
     plan = make_plan(max_restarts="2")
-    assert plan["max_restarts"] == 2
-    assert "Restarts after a failure: at most 2" in plan["summary"]
+    assert plan.max_restarts == 2
+    assert "Restarts after a failure: at most 2" in plan.summary
 
 
 def test_an_unknown_model_lists_the_known_ones() -> None:
@@ -1086,37 +1091,39 @@ def test_a_process_count_that_is_not_positive_is_refused(nproc: Any) -> None:
 
 def test_the_plan_keeps_the_shape_resume_and_the_playbooks_read() -> None:
     plan = make_plan()
+    data = json.loads(json.dumps(plan.to_dict()))  # plan.json
     for key in (
         "run_id",
         "resume",
         "model_name",
         "model",
         "datasets",
-        "deepspeed",
-        "sharded",
+        "stage",
         "nnodes",
         "nproc_per_node",
         "world_size",
-        "effective_batch",
+        "batch",
         "train_args",
         "ranks",
+        "version",
     ):
-        assert key in plan, key
-    assert plan["run_id"] == "train-20260101-000000-qwen2-5-7b"
-    assert plan["resume"] is False
-    assert plan["sharded"] is (plan["deepspeed"] != "none")
-    json.dumps(plan)  # plan.json
+        assert key in data, key
+    assert data["stage"]["sharded"] is (plan.stage.stage != "none")
+    assert plan.run_id == "train-20260101-000000-qwen2-5-7b"
+    assert plan.resume is False
+    assert Plan.from_dict(data) == plan
 
 
-def test_a_resume_id_names_the_run() -> None:
-    plan = make_plan(resume_id="train-20250101-000000-tiny")
-    assert plan["run_id"] == "train-20250101-000000-tiny"
-    assert plan["resume"] is True
+def test_a_resumed_plan_keeps_its_run_and_stages_nothing() -> None:
+    plan = make_plan("tiny", max_restarts=1).resumed(3)
+    assert plan.run_id == "train-20260101-000000-tiny"
+    assert (plan.resume, plan.max_restarts) == (True, 3)
+    assert plan.model_stage == {"kind": "shared", "name": "tiny", "path": plan.model["path"]}
 
 
 def test_the_plan_shown_before_launch_lists_every_decision() -> None:
     plan = make_plan(cluster=nodes(2, nproc=8), dataset_records=10**6)
-    text = "\n".join(plan["summary"])
+    text = "\n".join(plan.summary)
     for expected in (
         "qwen2.5-7b (Qwen/Qwen2.5-7B-Instruct), lora, 7.62B parameters",
         "Nodes 2 x 8 processes = world size 16 (nvidia)",
@@ -1133,29 +1140,31 @@ def test_the_plan_shown_before_launch_lists_every_decision() -> None:
 
 def test_train_yaml_adds_the_model_data_and_paths() -> None:
     plan = make_plan("qwen2.5-0.5b", cluster=nodes(2), deepspeed="zero2")
-    args = train_args(plan, "/runs/r1")
+    data = plan.to_dict()
+    args = train_args(data, "/runs/r1")
     assert args["model_name_or_path"] == "Qwen/Qwen2.5-0.5B-Instruct"
     assert args["deepspeed"] == "/runs/r1/ds_config.json"
     assert (args["dataset_dir"], args["output_dir"]) == ("/runs/r1/data", "/runs/r1/output")
     assert args["cutoff_len"] == 2048
     assert args["save_on_each_node"] is True
     assert not any(key.startswith("lora_") for key in args)  # a full fine-tune
-    shared = train_args(plan, "/runs/r1", shared_storage=True)
+    shared = train_args(data, "/runs/r1", shared_storage=True)
     assert "save_on_each_node" not in shared
-    fsdp = train_args({**plan, "deepspeed": "fsdp"}, "/runs/r1")
+    fsdp = train_args({**data, "stage": Stage.FSDP.properties()}, "/runs/r1")
     assert fsdp["fsdp_config"] == "/runs/r1/fsdp_config.json"
     assert "deepspeed" not in fsdp
     assert "tokenized_path" not in args  # the ranks tokenize unless asked
-    stages = ("zero2",)
-    pretokenized = train_args(plan, "/runs/r1", False, stages, True)
+    pretokenized = train_args(data, "/runs/r1", False, True)
     assert pretokenized["tokenized_path"] == "/runs/r1/tokenized"
-    streaming = {**plan, "train_args": {**plan["train_args"], "streaming": True}}
-    assert "tokenized_path" not in train_args(streaming, "/runs/r1", False, stages, True)
+    streaming = {**data, "train_args": {**plan.train_args, "streaming": True}}
+    assert "tokenized_path" not in train_args(streaming, "/runs/r1", False, True)
 
 
 def test_train_yaml_lists_the_arguments_in_sections_with_the_reasons_beside_them() -> None:
-    plan = make_plan("qwen2.5-0.5b", cluster=nodes(2), deepspeed="zero2")
-    plan["decisions"] = {"batch": "4 rows fit"}  # no reason for checkpointing or compile
+    planned = make_plan("qwen2.5-0.5b", cluster=nodes(2), deepspeed="zero2")
+    # No reason for checkpointing or compile.
+    batch = replace(planned.batch, why="4 rows fit", checkpointing_why="", compile_why="")
+    plan = replace(planned, batch=batch).to_dict()
     args = {
         **train_args(plan, "/runs/r1"),
         "report_to": "none",
@@ -1226,9 +1235,9 @@ def test_a_7b_full_fine_tune_on_one_h200_with_128_gb_of_ram_trains_without_offlo
     planned = make_plan(
         "qwen2.5-7b", finetuning_type="full", cluster=with_host_memory(nodes(1), RAM_128GB)
     )
-    assert planned["deepspeed"] == "none"
-    assert planned["memory_estimate_gib"] <= planned["memory_budget_gib"]
-    assert planned["host_estimate_gib"] < planned["host_budget_gib"]
+    assert planned.stage.stage == "none"
+    assert planned.memory.estimate_gib <= planned.memory.budget_gib
+    assert planned.memory.host_estimate_gib < planned.memory.host_budget_gib
 
 
 def test_where_only_offload_fits_the_gpu_and_not_the_ram_the_refusal_names_both_budgets() -> None:
@@ -1254,12 +1263,12 @@ def test_with_enough_host_memory_the_offload_plan_stands_and_says_its_need() -> 
         "qwen2.5-7b", finetuning_type="full", cluster=with_host_memory(nodes(1, gib=48.0), 512.0)
     )
     # ZeRO-Offload: the optimizer's fp32 state and DeepSpeed's pinned buffers on the host.
-    assert planned["deepspeed"] == "zero2_offload"
-    assert planned["host_budget_gib"] == 435.2
+    assert planned.stage.stage == "zero2_offload"
+    assert planned.memory.host_budget_gib == 435.2
     per_param = COEFFICIENTS["host.offload2_full"]
     expected = (COEFFICIENTS["host.offload2_base_gib"] * GIB + per_param * 7.62e9) / GIB
-    assert planned["host_estimate_gib"] == pytest.approx(expected, abs=0.5)
-    assert any(line.startswith("Host memory planned for: 512.0 GiB") for line in planned["summary"])
+    assert planned.memory.host_estimate_gib == pytest.approx(expected, abs=0.5)
+    assert any(line.startswith("Host memory planned for: 512.0 GiB") for line in planned.summary)
 
 
 def test_a_given_stage_that_does_not_fit_host_memory_is_refused_with_the_figures() -> None:
@@ -1278,13 +1287,13 @@ def test_host_memory_counts_every_process_of_the_node() -> None:
         "qwen2.5-1.5b", finetuning_type="full", cluster=with_host_memory(nodes(1, nproc=8), 128.0)
     )
     per_process = COEFFICIENTS["host.base_gib"] + COEFFICIENTS["host.load"] * 1.54e9 / GIB
-    assert planned["host_estimate_gib"] == pytest.approx(8 * per_process, abs=0.5)
+    assert planned.memory.host_estimate_gib == pytest.approx(8 * per_process, abs=0.5)
 
 
 def test_without_host_facts_the_plan_says_host_memory_is_unknown() -> None:
     planned = make_plan("qwen2.5-0.5b")
-    assert planned["host_memory_gib"] is None
-    assert any(line.startswith("Host memory: not known") for line in planned["summary"])
+    assert planned.memory.host_gib is None
+    assert any(line.startswith("Host memory: not known") for line in planned.summary)
 
 
 def test_gpu_memory_gib_wins_over_the_facts_and_says_so() -> None:
@@ -1321,10 +1330,10 @@ def fp8_nodes(*caps: float | None, torchao: str | None = "0.17.0") -> list[dict[
 
 def test_fp8_on_hopper_trains_in_fp8_with_the_environment_accelerate_reads() -> None:
     plan = make_plan("qwen2.5-1.5b", finetuning_type="full", cluster=fp8_nodes(9.0), fp8=True)
-    args = plan["train_args"]
+    args = plan.train_args
     assert (args["fp8"], args["fp8_backend"], args["bf16"]) == (True, "torchao", False)
-    assert plan["environment"] == {"ACCELERATE_MIXED_PRECISION": "fp8"}
-    assert any(line.startswith("FP8: on (torchao") for line in plan["summary"])
+    assert plan.environment == {"ACCELERATE_MIXED_PRECISION": "fp8"}
+    assert any(line.startswith("FP8: on (torchao") for line in plan.summary)
 
 
 def test_fp8_asked_the_way_llamafactory_documents_it_is_made_real() -> None:
@@ -1335,15 +1344,15 @@ def test_fp8_asked_the_way_llamafactory_documents_it_is_made_real() -> None:
         cluster=fp8_nodes(8.9, 9.0),
         train_args={"fp8": True},
     )
-    assert plan["train_args"]["bf16"] is False
-    assert plan["environment"] == {"ACCELERATE_MIXED_PRECISION": "fp8"}
+    assert plan.train_args["bf16"] is False
+    assert plan.environment == {"ACCELERATE_MIXED_PRECISION": "fp8"}
 
 
 def test_no_fp8_leaves_bf16_and_the_environment_alone() -> None:
     plan = make_plan("qwen2.5-1.5b", finetuning_type="full", cluster=fp8_nodes(9.0))
-    assert "fp8" not in plan["train_args"]
-    assert plan["environment"] == {}
-    assert "fp8" not in plan["decisions"]
+    assert "fp8" not in plan.train_args
+    assert plan.environment == {}
+    assert not plan.technique.fp8
 
 
 @pytest.mark.parametrize(

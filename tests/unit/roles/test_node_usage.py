@@ -594,12 +594,12 @@ def test_the_action_plans_again_for_what_is_free_keeping_the_run(
     rc, out = _plan_twice(tmp_path, [held], "-e", "gpu_memory_gib=20")
     assert rc == 0, out[-3000:]
     first, now = json.loads((tmp_path / "results.json").read_text())
-    assert first["plan"]["gpu_memory_gib"] == 20.0  # -e wins over the facts, as before
-    assert now["plan"]["gpu_memory_gib"] == 20.0
-    assert now["plan"]["nodes"]["g1"]["memory_source"].startswith(
+    assert first["plan"]["memory"]["gpu_gib"] == 20.0  # -e wins over the facts, as before
+    assert now["plan"]["memory"]["gpu_gib"] == 20.0
+    assert now["plan"]["memory"]["nodes"]["g1"]["memory_source"].startswith(
         f"gpu_memory_gib (inventory or -e): a share of GPU 0 ({H100}), which other processes"
     )
-    assert now["plan"]["nodes"]["g1"]["host_memory_gib"] == 96.0
+    assert now["plan"]["memory"]["nodes"]["g1"]["host_memory_gib"] == 96.0
     # The same run: its id (claimed once), nothing checked or made a second time.
     assert now["plan"]["run_id"] == first["plan"]["run_id"]
     assert first["plan"]["run_id"] not in taken
@@ -637,13 +637,14 @@ def test_train_yml_reads_every_node_and_plans_the_run_again_for_what_is_free(
     inventory = _inventory(tmp_path, {"a": json.dumps(local)}, {"b": json.dumps(local)})
     rc, out = _train(inventory, "-e", "model=tiny", "--tags", "none", "-v")
     assert rc == 0, out[-3000:]
-    read = out.index("TASK [Train | Read what the GPUs and memory of every node hold now]")
-    assert out.index("TASK [Train | Check the model, datasets, cluster") < read
+    task = "TASK [run_config : Run config | "
+    read = out.index(f"{task}Read what the GPUs and memory of every node hold now]")
+    assert out.index(f"{task}Check the model, datasets, cluster") < read
     assert "ok: [localhost -> a] => (item=a)" in out[read:]
     assert "ok: [localhost -> b] => (item=b)" in out[read:]
-    again = out.index("TASK [Train | Plan the run again for what is free on every node now]")
+    again = out.index(f"{task}Plan the run again for what is free on every node now]")
     assert re.search(r"host_memory_source: available now \((MemAvailable|the cgroup)", out[again:])
-    assert out.index("TASK [Train | Show the plan]") > again
+    assert out.index(f"{task}Show the plan]") > again
     # -e plan_free_memory=false: the facts alone, no read.
     rc, out = _train(
         inventory, "-e", "model=tiny", "--tags", "none", "-e", "plan_free_memory=false"

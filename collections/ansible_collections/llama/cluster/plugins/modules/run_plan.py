@@ -45,9 +45,31 @@ description:
   - With O(node_usage), the GPU and host memory each node has free at train time are planned
     for instead of the facts' totals, and a GPU the run needs that another process holds is
     refused naming the node, the GPU, the process and the way out (module_utils/planner/nodes.py).
-    train.yml plans a new run from the facts first, so that a bad request is refused before any
-    node is contacted, then reads the nodes and plans it again with O(replan) and O(node_usage).
+    roles/run_config (tasks/plan.yml) plans a new run from the facts first, so that a bad request
+    is refused before any node is contacted, then reads the nodes and plans it again with
+    O(replan) and O(node_usage).
+  - Returns the plan as module_utils/planner/plan.py's Plan writes it (Plan.to_dict), with the
+    stage as C(plan.stage) (its name, where the choice came from, why, and what it is, which
+    Jinja reads instead of its name; C(zero), C(fsdp), C(hybrid), C(offload_optimizer),
+    C(offload_params), C(sharded), C(config)), C(plan.technique), C(plan.batch),
+    C(plan.memory), C(plan.disk), C(plan.performance) and a C(plan.version).
 options:
+  saved:
+    description:
+      - A run's plan.json, as its text, read back as this release reads plans (of any version,
+        module_utils/planner/plan.py's Plan.from_dict) and returned as C(plan); with O(resume),
+        the plan of the run continued from its checkpoint. Nothing is checked or planned then;
+        every other option but O(resume) and O(max_restarts) is ignored. The default (empty)
+        plans a new run.
+    type: str
+    default: ""
+  resume:
+    description:
+      - With O(saved), the plan of the run continued from its checkpoint (Plan.resumed), with
+        resume true, O(max_restarts) restarts, and a model_stage that only checks that the model
+        is where the first launch put it.
+    type: bool
+    default: false
   model:
     description: Catalogue name of the model (-e model), or a name of one's own with O(model_path).
     type: str
@@ -182,7 +204,9 @@ options:
     type: raw
     default: false
   max_restarts:
-    description: Restarts allowed after a failure, an integer >= 0 (recorded in the plan).
+    description:
+      - Restarts allowed after a failure, an integer >= 0 (recorded in the plan; with O(resume),
+        the resumed run's).
     type: raw
     default: 0
   replan:
