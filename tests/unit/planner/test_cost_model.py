@@ -54,8 +54,9 @@ from ansible_collections.llama.cluster.plugins.module_utils.planner.plan import 
 from ansible_collections.llama.cluster.plugins.module_utils.planner.schema import (  # noqa: E402
     DEEPSPEED_STAGES,
 )
-from test_planner import RTX4090_GIB, SETTINGS, TRAINING, make_plan, nodes  # noqa: E402
 from test_run_plan_action import CONFIG  # noqa: E402
+
+from tests.support.planning import RTX4090_GIB, SETTINGS, TRAINING, make_plan, nodes  # noqa: E402
 
 DATA = json.loads((ROOT / "tests/data/memory_grid.json").read_text())
 CLEAN = json.loads((ROOT / "tests/data/step_times.json").read_text())["points"]

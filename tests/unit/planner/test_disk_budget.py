@@ -14,7 +14,8 @@ from ansible_collections.llama.cluster.plugins.module_utils.planner.disk import 
     lora_params,
 )
 from ansible_collections.llama.cluster.plugins.module_utils.planner.memory import GIB
-from test_planner import QWEN25_7B_CONFIG, SETTINGS, make_plan, nodes
+
+from tests.support.planning import QWEN25_7B_CONFIG, SETTINGS, make_plan, nodes
 
 RUNS = "/opt/llama-cluster/runs"
 

@@ -24,6 +24,7 @@ from ansible_collections.llama.cluster.plugins.module_utils.planner.plan import 
 )
 
 from llama_runner.results import TrainSummary, summary_of_files
+from tests.support.planning import H200_GIB, make_plan, nodes
 
 ROOT = Path(__file__).resolve().parents[3]
 # Two plans as the release before plans had a version wrote them (plan.json): a full fine-tune
@@ -212,3 +213,57 @@ def test_the_api_reads_the_report_as_it_was_written(tmp_path: Path) -> None:
     assert summary.to_dict() == written
     brought = summary_of_files("r", tmp_path)
     assert (brought.run_id, brought.loss_plot, brought.world_size) == ("r", summary.loss_plot, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan's shape (resume.yml and main.yml read it) and what train.yaml gets.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_plan_keeps_the_shape_resume_and_the_playbooks_read() -> None:
+    plan = make_plan()
+    data = json.loads(json.dumps(plan.to_dict()))  # plan.json
+    for key in (
+        "run_id",
+        "resume",
+        "model_name",
+        "model",
+        "datasets",
+        "stage",
+        "nnodes",
+        "nproc_per_node",
+        "world_size",
+        "batch",
+        "train_args",
+        "ranks",
+        "version",
+    ):
+        assert key in data, key
+    assert data["stage"]["sharded"] is (plan.stage.stage != "none")
+    assert plan.run_id == "train-20260101-000000-qwen2-5-7b"
+    assert plan.resume is False
+    assert Plan.from_dict(data) == plan
+
+
+def test_a_resumed_plan_keeps_its_run_and_stages_nothing() -> None:
+    plan = make_plan("tiny", max_restarts=1).resumed(3)
+    assert plan.run_id == "train-20260101-000000-tiny"
+    assert (plan.resume, plan.max_restarts) == (True, 3)
+    assert plan.model_stage == {"kind": "shared", "name": "tiny", "path": plan.model["path"]}
+
+
+def test_the_plan_shown_before_launch_lists_every_decision() -> None:
+    plan = make_plan(cluster=nodes(2, nproc=8), dataset_records=10**6)
+    text = "\n".join(plan.summary)
+    for expected in (
+        "qwen2.5-7b (Qwen/Qwen2.5-7B-Instruct), lora, 7.62B parameters",
+        "Nodes 2 x 8 processes = world size 16 (nvidia)",
+        "Effective batch 64 = per-device 4 x accumulation 1 x world size 16",
+        "Tokens per optimizer step: 8192 per process x 16 = 131072 (packed rows of 2048 tokens)",
+        "DeepSpeed: none (the fastest predicted of",
+        "Gradient checkpointing: off",
+        "Packing: on; torch.compile: on",
+        f"GPU memory planned for: {H200_GIB} GiB per GPU",
+        "Datasets: demo_alpaca",
+    ):
+        assert expected in text, expected

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 from ansible_collections.llama.cluster.plugins.module_utils.planner.errors import PlanError
-from test_planner import RTX4090_GIB, make_plan, nodes
+
+from tests.support.planning import RTX4090_GIB, make_plan, nodes
 
 A6000_GIB = 47.5  # an RTX A6000 / L40S: 48 GB
 
