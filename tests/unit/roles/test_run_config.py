@@ -1,11 +1,17 @@
 """What roles/run_config writes from a plan (plugins/filter/run_config.py): train.yaml's arguments
-and text, the dataset registry.
+and text, the dataset registry; and the key and bookkeeping of each node's tokenized copy
+(files/pretokenize.py).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 from dataclasses import replace
+from pathlib import Path
 
+import pytest
 import yaml
 from ansible_collections.llama.cluster.plugins.filter.run_config import (
     dataset_info,
@@ -15,6 +21,7 @@ from ansible_collections.llama.cluster.plugins.filter.run_config import (
 from ansible_collections.llama.cluster.plugins.module_utils.planner.plan import Stage
 
 from tests.support.planning import (
+    ROOT,
     make_plan,
     nodes,
 )
@@ -89,3 +96,87 @@ def test_dataset_info_registers_each_file_beside_it() -> None:
     assert info == {
         "a": {"formatting": "sharegpt", "columns": {"messages": "c"}, "file_name": "a.json"}
     }
+
+
+TRAIN_PYTHON = Path(
+    os.environ.get("LLAMA_CLUSTER_TRAIN_PYTHON", "/var/cache/llama-cluster/venv-train/bin/python")
+)
+
+
+# roles/run_config/files/pretokenize.py's key and bookkeeping, run in the training venv (where it
+# runs on a node); the tokenizing itself runs in every train.yml run of molecule's train scenario.
+_PRETOKENIZE = """
+import json, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import pretokenize
+calls = json.loads(sys.stdin.read())
+out = [pretokenize.cache_key(train)[0] for train in calls["keys"]]
+cache = Path(calls["cache"])
+out.append(pretokenize.prune(cache, 2, cache / calls["current"]))
+print(json.dumps(out))
+"""
+
+
+def test_the_tokenized_copy_is_keyed_by_the_data_and_tokenizer_not_the_run(tmp_path: Path) -> None:
+    if not TRAIN_PYTHON.exists():
+        pytest.skip(f"no training venv at {TRAIN_PYTHON}: run scripts/setup-train-venv.sh")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "tokenizer.json").write_text('{"model": 1}')
+    runs = []
+    for name in ("run1", "run2", "run3"):  # each run has its own copy of the dataset
+        data = tmp_path / name / "data"
+        data.mkdir(parents=True)
+        (data / "dataset_info.json").write_text('{"d": {"file_name": "d.json"}}')
+        (data / "d.json").write_text('[{"instruction": "a", "output": "b"}]')
+        runs.append(str(data))
+    (tmp_path / "run3/data/d.json").write_text('[{"instruction": "a", "output": "c"}]')
+    other = tmp_path / "other-tokenizer"
+    other.mkdir()
+    (other / "tokenizer.json").write_text('{"model": 2}')
+    base = {"model_name_or_path": str(model), "dataset": "d", "dataset_dir": runs[0],
+            "template": "qwen", "cutoff_len": 128, "learning_rate": 1e-4}  # fmt: skip
+    keys = [
+        base,
+        {
+            **base,
+            "dataset_dir": runs[1],
+            "output_dir": "/x",
+            "learning_rate": 5e-3,
+            "ddp_timeout": 9,
+        },
+        {**base, "dataset_dir": runs[2]},  # the dataset changed
+        {**base, "cutoff_len": 256},
+        {**base, "template": "llama3"},
+        {**base, "packing": True},
+        {**base, "max_samples": 10},
+        {**base, "model_name_or_path": str(other)},
+    ]
+    cache = tmp_path / "cache"
+    for name in ("old", "older", "current", "newer"):
+        (cache / name).mkdir(parents=True)
+        (cache / name / "data.arrow").write_text(name)
+        (cache / f"{name}.json").write_text("{}")
+    for age, name in enumerate(("newer", "old", "older", "current")):  # current: least recent
+        os.utime(cache / name, (1_000_000 - age * 1000, 1_000_000 - age * 1000))
+    done = subprocess.run(
+        [str(TRAIN_PYTHON), "-c", _PRETOKENIZE, str(ROOT / "roles/run_config/files")],
+        input=json.dumps({"keys": keys, "cache": str(cache), "current": "current"}),
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    *found, removed = json.loads(done.stdout.splitlines()[-1])
+    assert found[1] == found[0], "another run directory or a training argument made a new copy"
+    assert len(set(found[2:]) | {found[0]}) == len(found) - 1, found  # every data change: a new key
+    # Two kept: the current copy (even when least recently used) and the most recent other.
+    assert sorted(removed) == ["old", "older"]
+    assert sorted(p.name for p in cache.iterdir()) == [
+        "current",
+        "current.json",
+        "newer",
+        "newer.json",
+    ]
