@@ -79,6 +79,7 @@ class Assembly:
     facts: Mapping[str, Any]  # what the profile rules test, the stage left out
     cluster: Cluster
     available: frozenset[str]
+    smallest: tuple[Mapping[str, Any] | None, Mapping[str, Any] | None]  # by GPU, by host memory
     search: Search | None = None
     choice: StageChoice | None = None
     applied: tuple[str, ...] = ()
@@ -86,7 +87,7 @@ class Assembly:
     cost: Callable[[Batch], float] | None = None
     args: Mapping[str, Any] = field(default_factory=dict)
     batch: Batch | None = None
-    why: Mapping[str, str] = field(default_factory=dict)  # the batch's decisions, in words
+    why: Mapping[str, str] = field(default_factory=dict)  # BatchPlan's reasons, in words
     steps: int | None = None
     fp8: str = ""  # the plan's line about FP8, "" without it
     environment: Mapping[str, str] = field(default_factory=dict)  # what FP8 needs
@@ -212,7 +213,7 @@ def _begin(
         model_name=request.model,
     )
     return Assembly(request, model, nodes, ranks, datasets, data, accelerator, nproc, world,
-                    memory, facts, cluster, available)  # fmt: skip
+                    memory, facts, cluster, available, (smallest, smallest_host))  # fmt: skip
 
 
 def _check_hybrid(asked: Stage | None, memory: Memory, nnodes: int) -> None:
@@ -269,7 +270,7 @@ def _stage(context: Assembly) -> Assembly:
     )
     profile.pop("deepspeed", None)
     if memory.on_cpu and not memory.host_fits(choice.stage):
-        raise PlanError(_cpu_memory_refusal(memory, _smallest(context.nodes, "host_memory_gib")))
+        raise PlanError(_cpu_memory_refusal(memory, context.smallest[1]))
     return replace(
         context,
         search=search,
@@ -442,7 +443,7 @@ def _batch(context: Assembly) -> Assembly:
     accumulation = int(args.get("gradient_accumulation_steps", 1))
     if context.accelerator == "cpu":
         check_cpu_batch(
-            _cpu_memory(memory, context.nodes, context.settings),
+            _cpu_memory(memory, context.smallest[1], context.settings),
             micro,
             context.cutoff,
             checkpointing=not args.get("disable_gradient_checkpointing", False),
@@ -495,9 +496,9 @@ def _computed(context: Assembly) -> Assembly:
     if use:
         computed["torch_compile"] = True
     whys = {
-        "batch": batch.reason,
-        "checkpointing": checkpointing,
-        "torch_compile": "as set" if "torch_compile" in explicit else why,
+        "why": batch.reason,
+        "checkpointing_why": checkpointing,
+        "compile_why": "as set" if "torch_compile" in explicit else why,
     }
     args = {**defaults, **computed, **explicit}
     return replace(context, args=args, batch=batch, why=whys, steps=steps)
@@ -524,10 +525,9 @@ def _checkpointing_why(context: Assembly, batch: Batch) -> str:
     return "the micro-batch's activations fit without recomputation"
 
 
-def _cpu_memory(memory: Memory, nodes: Sequence[Mapping[str, Any]], data: Settings) -> Memory:
+def _cpu_memory(memory: Memory, smallest: Mapping[str, Any] | None, data: Settings) -> Memory:
     """The memory model of a CPU run: the budget of each process is its share of the smallest
     node's usable RAM (None where no node's memory is known)."""
-    smallest = _smallest(nodes, "host_memory_gib")
     if smallest is None:
         return memory
     usable = smallest["host_memory_gib"] * GIB * float(data.memory["host_usable_fraction"])
@@ -550,15 +550,13 @@ def _records(
 # ---- the plan -------------------------------------------------------------------------------
 def _plan(context: Assembly) -> Plan:
     """The plan: the prediction and the go/no-go, the disk estimate, and the lines shown."""
-    args, memory, stage = context.args, context.memory, context.stage
-    assert context.batch is not None
+    args, memory, stage, world = context.args, context.memory, context.stage, context.world
     assert context.choice is not None
     performance, lines = _performance(context)
     micro = int(args.get("per_device_train_batch_size", 1))
     accumulation = int(args.get("gradient_accumulation_steps", 1))
     tokens = micro * accumulation * context.cutoff
-    explicit = context.explicit
-    limit = "as set" if "save_total_limit" in explicit else (
+    limit = "as set" if "save_total_limit" in context.explicit else (
         f"the project's default in training_defaults, {TRAINING_FILE}")  # fmt: skip
     technique = memory.technique
     planned = Plan(
@@ -578,18 +576,16 @@ def _plan(context: Assembly) -> Plan:
             fp8=context.fp8,
         ),
         batch=BatchPlan(
-            micro=micro,
-            accumulation=accumulation,
-            effective=micro * accumulation * context.world,
-            tokens_per_step=tokens,
-            tokens_per_optimizer_step=tokens * context.world,
+            micro,
+            accumulation,
+            micro * accumulation * world,
+            tokens,
+            tokens * world,
             packing=bool(args.get("packing", False)),
             checkpointing=not args.get("disable_gradient_checkpointing", False),
             torch_compile=bool(args.get("torch_compile", False)),
             steps=context.steps,
-            why=context.why["batch"],
-            checkpointing_why=context.why["checkpointing"],
-            compile_why=context.why["torch_compile"],
+            **context.why,
         ),
         memory=_memory_plan(context),
         accelerator=context.accelerator,
@@ -614,16 +610,13 @@ def _plan(context: Assembly) -> Plan:
         rules_applied=context.applied,
         max_restarts=context.request.max_restarts,
     )
-    smallest = _smallest(context.nodes)
-    smallest_host = _smallest(context.nodes, "host_memory_gib")
-    return replace(planned, summary=tuple(summary(planned, smallest, smallest_host, lines)))
+    return replace(planned, summary=tuple(summary(planned, *context.smallest, lines)))
 
 
 def _memory_plan(context: Assembly) -> MemoryPlan:
     """The memory part of the plan."""
     memory, batch = context.memory, context.batch
-    smallest = _smallest(context.nodes)
-    smallest_host = _smallest(context.nodes, "host_memory_gib")
+    smallest, smallest_host = context.smallest
     keys = ("gpu_memory_gib", "memory_source", "host_memory_gib", "host_memory_source")
     return MemoryPlan(
         gpu_gib=smallest["gpu_memory_gib"] if smallest else None,

@@ -159,21 +159,10 @@ class Request:
 
     @classmethod
     def of(cls, checked: Mapping[str, Any]) -> Request:
-        """From check_request's mapping."""
-        records = checked.get("dataset_records")
-        return cls(
-            model=checked.get("model") or None,
-            stage=stage_of(checked.get("deepspeed")),
-            train_args=dict(checked.get("train_args") or {}),
-            tokens_per_step=int(checked["tokens_per_step"]),
-            numerics=str(checked.get("numerics") or "measured"),
-            quantization_bit=int(checked.get("quantization_bit") or 0),
-            fp8=bool(checked.get("fp8")),
-            allow_slow_scaling=bool(checked.get("allow_slow_scaling")),
-            max_restarts=int(checked.get("max_restarts") or 0),
-            dataset_records=None if records is None else int(records),
-            timestamp=str(checked.get("timestamp") or "now"),
-        )
+        """From check_request's mapping (its values coerced there; its deepspeed is the stage)."""
+        given = {f.name: checked[f.name] for f in fields(cls) if checked.get(f.name) is not None}
+        given["model"] = checked.get("model") or None
+        return cls(**{**given, "stage": stage_of(checked.get("deepspeed"))})
 
 
 @dataclass(frozen=True)
@@ -307,57 +296,45 @@ class Plan:
         return replace(self, resume=True, max_restarts=int(max_restarts), model_stage=stage)
 
 
+# Where a plan.json of version 1 (flat: deepspeed, effective_batch, decisions, ...) kept what
+# this version's parts hold: part -> {field: its key, or ("decisions", its reason's key)}.
+_VERSION_1 = {
+    "batch": {
+        "effective": "effective_batch", "tokens_per_step": "tokens_per_step",
+        "tokens_per_optimizer_step": "tokens_per_optimizer_step", "packing": "packing",
+        "checkpointing": "gradient_checkpointing", "torch_compile": "torch_compile",
+        "why": ("decisions", "batch"), "checkpointing_why": ("decisions", "checkpointing"),
+        "compile_why": ("decisions", "torch_compile"),
+    },
+    "memory": {
+        "gpu_gib": "gpu_memory_gib", "budget_gib": "memory_budget_gib",
+        "estimate_gib": "memory_estimate_gib", "host_gib": "host_memory_gib",
+        "host_budget_gib": "host_budget_gib", "host_estimate_gib": "host_estimate_gib",
+        "nodes": "nodes",
+    },
+    "technique": {"numerics": "numerics", "why": ("decisions", "technique"),
+                  "fp8": ("decisions", "fp8")},
+}  # fmt: skip
+
+
 def _from_version_1(old: Mapping[str, Any]) -> dict[str, Any]:
-    """A plan.json written before plans had a version (flat: deepspeed, effective_batch,
-    decisions, ...) in this version's shape. Its `sharded` is the stage's."""
+    """A plan.json written before plans had a version, in this version's shape (its `sharded`
+    is its stage's)."""
     decisions = old.get("decisions") or {}
+
+    def value(key: str | tuple[str, str]) -> object:
+        return old.get(key) if isinstance(key, str) else decisions.get(key[1], "")
+
+    parts = {part: {f: value(k) for f, k in keys.items() if value(k) is not None}
+             for part, keys in _VERSION_1.items()}  # fmt: skip
     args = old.get("train_args") or {}
-    technique = old.get("technique") or {}
-    return {
-        **old,
-        "version": PLAN_VERSION,
-        "stage": {
-            "name": old["deepspeed"],
-            "source": "asked",
-            "why": decisions.get("deepspeed", ""),
-        },
-        "technique": {
-            **technique,
-            "numerics": old.get("numerics", "measured"),
-            "why": decisions.get("technique", ""),
-            "fp8": decisions.get("fp8", ""),
-        },
-        "batch": {
-            "micro": int(args.get("per_device_train_batch_size", 1)),
-            "accumulation": int(args.get("gradient_accumulation_steps", 1)),
-            "effective": old.get("effective_batch", 0),
-            "tokens_per_step": old.get("tokens_per_step", 0),
-            "tokens_per_optimizer_step": old.get("tokens_per_optimizer_step", 0),
-            "packing": bool(old.get("packing")),
-            "checkpointing": bool(old.get("gradient_checkpointing")),
-            "torch_compile": bool(old.get("torch_compile")),
-            "steps": _int_or_none(decisions.get("estimated_steps")),
-            "why": decisions.get("batch", ""),
-            "checkpointing_why": decisions.get("checkpointing", ""),
-            "compile_why": decisions.get("torch_compile", ""),
-        },
-        "memory": {
-            "gpu_gib": old.get("gpu_memory_gib"),
-            "budget_gib": old.get("memory_budget_gib"),
-            "estimate_gib": old.get("memory_estimate_gib"),
-            "host_gib": old.get("host_memory_gib"),
-            "host_budget_gib": old.get("host_budget_gib"),
-            "host_estimate_gib": old.get("host_estimate_gib"),
-            "nodes": old.get("nodes") or {},
-        },
-    }
-
-
-def _int_or_none(value: object) -> int | None:
-    try:
-        return int(str(value))
-    except ValueError:
-        return None
+    parts["batch"]["micro"] = int(args.get("per_device_train_batch_size", 1))
+    parts["batch"]["accumulation"] = int(args.get("gradient_accumulation_steps", 1))
+    steps = str(decisions.get("estimated_steps", ""))
+    parts["batch"]["steps"] = int(steps) if steps.isdigit() else None
+    parts["technique"].update(old.get("technique") or {})
+    why = decisions.get("deepspeed", "")
+    return {**old, **parts, "stage": {"name": old["deepspeed"], "source": "asked", "why": why}}
 
 
 @dataclass(frozen=True)
