@@ -148,7 +148,7 @@ def brought_back(directory: str) -> dict[str, Any]:
         "runtime_s": float(runtime) if isinstance(runtime, int | float) else None,
         "final_loss": figures["final_loss"],
         "last_step": figures["last_step"],
-        "tokens_per_s": figures["tokens_per_s"],
+        "tokens_per_s": round(figures["tokens_per_s"], 1) if figures["tokens_per_s"] else None,
         "controller_dir": directory,
         "loss_plot": plot if os.path.isfile(plot) else None,
     }
