@@ -527,9 +527,3 @@ def test_gpu_probe_reports_the_lower_of_the_machines_ram_and_its_cgroup_limit(tm
     v1.write_text(f"{16 * 2**30}\n")  # a container limited to 16 GiB
     assert probe.host_memory_mib(meminfo, (v2, v1)) == 16 * 1024
     assert probe.host_memory_mib(tmp_path / "absent", (tmp_path / "none",)) is None
-
-
-# -- The llamafactory role's stack probe: its cache answers only for the environment it was made in.
-#
-# Run with the controller's training venv (the same stack as a node's): a cache whose key is this
-# environment's is used as it is; one made for another environment is probed again.

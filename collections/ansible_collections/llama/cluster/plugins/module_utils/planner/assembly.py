@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .cost import step_cost
 from .decisions import (
     Batch,
     BatchRequest,
@@ -21,7 +22,10 @@ from .decisions import (
     choose_fp8,
     choose_stage,
     estimate_steps,
+    first_step,
+    fp8_pays,
     hybrid_applies,
+    step_rows,
 )
 from .disk import disk_estimate
 from .errors import TRAINING_FILE, PlanError
@@ -85,6 +89,7 @@ class Assembly:
     applied: tuple[str, ...] = ()
     explicit: Mapping[str, Any] = field(default_factory=dict)  # rules < catalogue < train_args
     cost: Callable[[Batch], float] | None = None
+    uncompiled: Callable[[Batch], float] | None = None  # the cost with the technique uncompiled
     args: Mapping[str, Any] = field(default_factory=dict)
     batch: Batch | None = None
     why: Mapping[str, str] = field(default_factory=dict)  # BatchPlan's reasons, in words
@@ -319,6 +324,8 @@ def _tries(context: Assembly, stages: Sequence[Stage], *, fallback: bool = False
         "quantization": context.request.quantization_bit,
         "available": context.available,
         "fallback": fallback,
+        # torch.compile's twins, unless train_args sets torch_compile (then kept as set)
+        "compiling": "torch_compile" not in explicit,
     }
     finetuning = context.memory.finetuning
     return {
@@ -345,6 +352,11 @@ def _searched(context: Assembly, asked: Stage | None) -> Search | None:
     link = context.cluster.link
     tries = _tries(context, stages)
     options, skipped = ranked(memory, asks, shape, link, rank, tries=tries)
+    options = _repaid(context, options, asks.get(Stage.NONE) or next(iter(asks.values())))
+    # Scaling and the ways out re-rank these techniques on other nodes: only the compiled twins
+    # whose compilation this run repays.
+    kept = {o.technique for o in options}
+    tries = {s: tuple(t for t in ts if not t.compiled or t in kept) for s, ts in tries.items()}
     if any(not o.stage.offload_params for o in options) or context.request.quantization_bit:
         return Search(asks, shape, rank, options, skipped, tries)
     # The bf16 weights fit the GPU with no stage: QLoRA's 4-bit ones compete with the offload.
@@ -356,6 +368,39 @@ def _searched(context: Assembly, asked: Stage | None) -> Search | None:
     merged_tries = {stage: tries[stage] + extra[stage] for stage in stages}
     fallback = bool(both[0].technique.quant)
     return Search(asks, shape, rank, both, skipped, merged_tries, fallback=fallback)
+
+
+def _repaid(context: Assembly, options: list[Option], ask: BatchRequest) -> list[Option]:
+    """The candidates uncompiled, or compiled where the run repays the compilation
+    (choose_compile, from the step time of the uncompiled twin)."""
+    merged = {**context.settings.defaults, **_explicit(context, {})}
+    rows = {"per_device_train_batch_size": step_rows(ask), "gradient_accumulation_steps": 1}
+    steps = estimate_steps(
+        {**merged, **rows, "packing": ask.packing},
+        records=context.request.dataset_records,
+        world=context.world,
+        cutoff=ask.cutoff,
+        record_tokens=int(context.settings.compile["record_tokens"]),
+    )
+    memory, link = context.memory, context.cluster.link
+    shape = memory.measured_shape()
+
+    def repays(option: Option) -> bool:
+        if not option.technique.compiled:
+            return True
+        twin = replace(option.setup, technique=option.technique.uncompiled)
+        use, _ = choose_compile(
+            "gpu",
+            option.stage,
+            steps,
+            context.settings.compile,
+            step_seconds=step_cost(shape, twin, world=memory.world, link=link).total,
+            finetuning=memory.finetuning,
+            technique=option.technique,
+        )
+        return use
+
+    return [o for o in options if repays(o)]
 
 
 def _cpu_memory_refusal(memory: Memory, node: Mapping[str, Any] | None) -> str:
@@ -384,10 +429,13 @@ def _technique(context: Assembly) -> Assembly:
     if search is not None:
         technique = next((o.technique for o in search.options if o.stage is stage), PLAIN)
     memory = replace(context.memory, technique=technique)
-    cost = None
-    if search is not None:
-        cost = search.cost_function(memory, stage, context.cutoff, context.cluster.link)
-    return replace(context, memory=memory, cost=cost)
+    if search is None:
+        return replace(context, memory=memory)
+    twin = replace(memory, technique=technique.uncompiled)
+    link = context.cluster.link
+    cost = search.cost_function(memory, stage, context.cutoff, link)
+    uncompiled = search.cost_function(twin, stage, context.cutoff, link)
+    return replace(context, memory=memory, cost=cost, uncompiled=uncompiled)
 
 
 def _technique_line(context: Assembly) -> str:
@@ -427,18 +475,8 @@ def _batch(context: Assembly) -> Assembly:
     """The training arguments: defaults < computed (batch, checkpointing, compile) < explicit;
     FP8 where asked; the batch checked against the memory and the dataset."""
     context = _computed(context)
-    args = context.args
+    args, fp8, environment = _fp8(context)
     request, memory = context.request, context.memory
-    fp8, environment = "", {}
-    # -e fp8=true, or fp8 in train_args (which alone would train in bf16: choose_fp8 says why).
-    if request.fp8 or args.get("fp8") is True:
-        if request.numerics == "exact":
-            raise PlanError(
-                "FP8 changes the run's numerics, and numerics=exact forbids every such change. "
-                "Leave fp8 off, or set -e numerics=measured."
-            )
-        fp8_args, environment, fp8 = choose_fp8(context.nodes, context.accelerator, context.stage)
-        args = {**args, **fp8_args}
     micro = int(args.get("per_device_train_batch_size", 1))
     accumulation = int(args.get("gradient_accumulation_steps", 1))
     if context.accelerator == "cpu":
@@ -455,7 +493,46 @@ def _batch(context: Assembly) -> Assembly:
         records=_records(request, args, context.datasets),
         packing=bool(args.get("packing", False)),
     )
-    return replace(context, args=args, fp8=fp8, environment=environment)
+    why = {**context.why, "first_step": _first_step(context, args)}
+    return replace(context, args=args, fp8=fp8, environment=environment, why=why)
+
+
+def _fp8(context: Assembly) -> tuple[Mapping[str, Any], str, dict[str, str]]:
+    """-e fp8=true, or fp8 in train_args (which alone would train in bf16: choose_fp8 says
+    why): the arguments, the plan's line and the ranks' environment of an FP8 run."""
+    args, request = context.args, context.request
+    if not (request.fp8 or args.get("fp8") is True):
+        return args, "", {}
+    if request.numerics == "exact":
+        raise PlanError(
+            "FP8 changes the run's numerics, and numerics=exact forbids every such change. "
+            "Leave fp8 off, or set -e numerics=measured."
+        )
+    batch, cost = context.batch, context.cost
+    pays = fp8_pays(
+        float(context.model["params_b"]),
+        steps=context.steps,
+        step_seconds=cost(batch) if cost is not None and batch is not None else None,
+        settings=context.settings.compile,
+    )
+    fp8_args, environment, line = choose_fp8(
+        context.nodes, context.accelerator, context.stage, pays
+    )
+    return {**args, **fp8_args}, line, environment
+
+
+def _first_step(context: Assembly, args: Mapping[str, Any]) -> str:
+    """How long the run takes to its first optimizer step (start-up, load, compiling)."""
+    if context.accelerator == "cpu":
+        return "not predicted (a CPU cluster: measured on GPUs)"
+    _, said = first_step(
+        float(context.model["params_b"]),
+        compiled=bool(args.get("torch_compile")),
+        fp8=bool(args.get("fp8")),
+        finetuning=str(context.model["finetuning_type"]),
+        settings=context.settings.compile,
+    )
+    return said
 
 
 def _computed(context: Assembly) -> Assembly:
@@ -483,17 +560,19 @@ def _computed(context: Assembly) -> Assembly:
         cutoff=context.cutoff,
         record_tokens=int(context.settings.compile["record_tokens"]),
     )
+    # With a search, compiling is the technique's (a candidate of its own); without one (a CPU,
+    # a model of unknown shape), the rule of choose_compile alone.
+    uncompiled = context.uncompiled
     use, why = choose_compile(
         "cpu" if memory.budget is None else "gpu",
         stage,
         steps,
         context.settings.compile,
-        step_seconds=context.cost(batch) if context.cost is not None else None,
+        step_seconds=uncompiled(batch) if uncompiled is not None else None,
         finetuning=str(context.model.get("finetuning_type") or "full"),
+        technique=memory.technique,
     )
-    if use and (memory.technique.liger or memory.technique.quant):
-        use, why = False, "not measured with Liger kernels or QLoRA"
-    if use:
+    if use and uncompiled is None:
         computed["torch_compile"] = True
     whys = {
         "why": batch.reason,

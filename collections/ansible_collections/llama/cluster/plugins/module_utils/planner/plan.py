@@ -213,6 +213,7 @@ class BatchPlan:
     why: str = ""
     checkpointing_why: str = ""
     compile_why: str = ""
+    first_step: str = ""  # the time to the first optimizer step, in words
 
 
 @dataclass(frozen=True)
@@ -304,7 +305,7 @@ _VERSION_1 = {
         "tokens_per_optimizer_step": "tokens_per_optimizer_step", "packing": "packing",
         "checkpointing": "gradient_checkpointing", "torch_compile": "torch_compile",
         "why": ("decisions", "batch"), "checkpointing_why": ("decisions", "checkpointing"),
-        "compile_why": ("decisions", "torch_compile"),
+        "compile_why": ("decisions", "torch_compile"), "first_step": ("decisions", "first_step"),
     },
     "memory": {
         "gpu_gib": "gpu_memory_gib", "budget_gib": "memory_budget_gib",

@@ -45,6 +45,7 @@ def summary(
         f"({batch.checkpointing_why})",
         f"Packing: {'on' if batch.packing else 'off'}; torch.compile: "
         f"{'on' if batch.torch_compile else 'off'} ({batch.compile_why})",
+        f"First optimizer step: {batch.first_step}",
     ]
     if plan.technique.fp8:
         lines.append(plan.technique.fp8)
