@@ -629,7 +629,7 @@ def _records(
 # ---- the plan -------------------------------------------------------------------------------
 def _plan(context: Assembly) -> Plan:
     """The plan: the prediction and the go/no-go, the disk estimate, and the lines shown."""
-    args, memory, stage, world = context.args, context.memory, context.stage, context.world
+    args, stage, world = context.args, context.stage, context.world
     assert context.choice is not None
     performance, lines = _performance(context)
     micro = int(args.get("per_device_train_batch_size", 1))
@@ -637,23 +637,13 @@ def _plan(context: Assembly) -> Plan:
     tokens = micro * accumulation * context.cutoff
     limit = "as set" if "save_total_limit" in context.explicit else (
         f"the project's default in training_defaults, {TRAINING_FILE}")  # fmt: skip
-    technique = memory.technique
     planned = Plan(
         run_id=new_run_id(context.request.timestamp, context.request.model),
         model_name=context.request.model,
         model=dict(context.model),
         datasets=tuple(context.datasets),
         stage=context.choice,
-        technique=TechniquePlan(
-            optim=technique.optim,
-            liger=technique.liger,
-            quantization_bit=technique.quant,
-            label=technique.label() or "none",
-            numerics=context.request.numerics,
-            numerics_changes=tuple(technique.numerics_changes()),
-            why=_technique_line(context),
-            fp8=context.fp8,
-        ),
+        technique=_technique_plan(context),
         batch=BatchPlan(
             micro,
             accumulation,
@@ -690,6 +680,21 @@ def _plan(context: Assembly) -> Plan:
         max_restarts=context.request.max_restarts,
     )
     return replace(planned, summary=tuple(summary(planned, *context.smallest, lines)))
+
+
+def _technique_plan(context: Assembly) -> TechniquePlan:
+    """The technique part of the plan."""
+    technique = context.memory.technique
+    return TechniquePlan(
+        optim=technique.optim,
+        liger=technique.liger,
+        quantization_bit=technique.quant,
+        label=technique.label() or "none",
+        numerics=context.request.numerics,
+        numerics_changes=tuple(technique.numerics_changes()),
+        why=_technique_line(context),
+        fp8=context.fp8,
+    )
 
 
 def _memory_plan(context: Assembly) -> MemoryPlan:
