@@ -57,17 +57,15 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "collections"))
 
-from ansible_collections.llama.cluster.plugins.filter.run_config import FSDP_STAGES  # noqa: E402
+from ansible_collections.llama.cluster.plugins.filter.run_config import fsdp_option  # noqa: E402
 from ansible_collections.llama.cluster.plugins.module_utils.planner import cost  # noqa: E402
-from ansible_collections.llama.cluster.plugins.module_utils.planner.assembly import (  # noqa: E402
-    stage_environment,
-)
 from ansible_collections.llama.cluster.plugins.module_utils.planner.measured_memory import (  # noqa: E402
     Shape,
 )
 from ansible_collections.llama.cluster.plugins.module_utils.planner.model import (  # noqa: E402
     layer_class,
 )
+from ansible_collections.llama.cluster.plugins.module_utils.planner.plan import Stage  # noqa: E402
 
 IMAGE = "llama-cluster-node:bookworm-2"
 # Mounted read-only; the node's own python3 (the same minor version) imports from it.
@@ -202,7 +200,7 @@ def deepspeed_config(stage: str, nproc: int = 1) -> dict[str, Any]:
     of `nproc` ranks: ZeRO++ hpZ's partition)."""
     defaults = yaml.safe_load((ROOT / "roles/run_config/defaults/main.yml").read_text())
     defaults["run_config_plan"] = {"nproc_per_node": nproc}
-    zero = yaml.safe_load((ROOT / "roles/run_config/vars/main.yml").read_text())
+    data = yaml.safe_load((ROOT / "roles/run_config/vars/main.yml").read_text())
     env = _templates()
 
     def resolve(value: Any) -> Any:  # noqa: ANN401 - YAML data
@@ -212,7 +210,13 @@ def deepspeed_config(stage: str, nproc: int = 1) -> dict[str, Any]:
             return yaml.safe_load(env.from_string(value).render(**defaults))
         return value
 
-    section = resolve(zero["__run_config_ds_zero"][stage])
+    # The role's __run_config_ds_section: the ZeRO stage's section and what the stage adds.
+    ds = Stage(stage)
+    section = dict(data["__run_config_ds_zero"][ds.zero])
+    for what in ("offload_optimizer", "offload_params", "hybrid"):
+        if getattr(ds, what):
+            section.update(data[f"__run_config_ds_{what}"])
+    section = resolve(section)
     template = env.from_string((ROOT / "templates/deepspeed.json.j2").read_text())
     return json.loads(template.render(run_config_ds_zero=section))
 
@@ -243,7 +247,7 @@ class Plan:
 
     @property
     def fsdp(self) -> bool:
-        return self.stage in ("fsdp", "hsdp")
+        return Stage(self.stage).fsdp
 
 
 LABELS = {"none": "DDP", "zero3_hpz": "ZeRO++ hpZ", "hsdp": "HSDP"}
@@ -332,8 +336,8 @@ def train_config(plan: Plan, steps: int, cutoff: int) -> dict[str, Any]:
         "ddp_timeout": 600,
         "ddp_find_unused_parameters": False,
     }
-    if plan.fsdp:  # as roles/run_config writes it (filter/run_config.py: FSDP_STAGES)
-        config["fsdp"] = FSDP_STAGES[plan.stage]
+    if plan.fsdp:  # as roles/run_config writes it (filter/run_config.py: fsdp_option)
+        config["fsdp"] = fsdp_option(Stage(plan.stage))
         config["fsdp_config"] = "/work/fsdp.json"
     elif plan.stage != "none":
         config["deepspeed"] = f"/work/ds_{plan.stage}.json"
@@ -360,10 +364,10 @@ def train(
         "BENCH_OUT": "/out/bench",
         "BENCH_WARMUP_STEPS": str(warmup),
         "BENCH_SKIP_SAVE": "1",
-        "LINKS_DEEPSPEED": "1" if plan.stage not in ("none", "fsdp", "hsdp") else "0",
+        "LINKS_DEEPSPEED": "1" if Stage(plan.stage).zero is not None else "0",
         "LINKS_FSDP": "1" if plan.fsdp else "0",
-        # The plan's environment, as train.yml sets it in every rank (planner/assembly.py).
-        **stage_environment(plan.stage),
+        # The plan's environment, as train.yml sets it in every rank (planner/plan.py).
+        **Stage(plan.stage).environment,
     }
     started = time.monotonic()
     torchrun(nodes, "/work/entry.py", [f"/work/{name}"], env, timeout=1800, nproc=nproc)

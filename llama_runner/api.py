@@ -40,6 +40,7 @@ from llama_runner.results import (
     RunResult,
     TrainProgress,
     TrainSummary,
+    summary_of_files,
 )
 from llama_runner.scaling import (
     DEFAULT_STEPS,
@@ -404,7 +405,7 @@ class Cluster:
             ) from interrupted
         result = self.logs(run_id, on_event=on_event)
         if result.summary is None and result.controller_dir:
-            result.summary = TrainSummary.from_controller_dir(run_id, result.controller_dir)
+            result.summary = summary_of_files(run_id, result.controller_dir)
         result.progress = progress
         result.job = job
         if job.phase is Phase.FAILED:
@@ -559,7 +560,7 @@ class Cluster:
             secrets.discard()
 
         data = collector.artifact_data
-        summary = TrainSummary.from_stats(data["llama_run"]) if "llama_run" in data else None
+        summary = TrainSummary.from_dict(data["llama_run"]) if "llama_run" in data else None
         run_id = (
             (summary.run_id if summary else None) or collector.run_id or extravars.get("run_id")
         )

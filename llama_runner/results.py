@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -10,6 +9,7 @@ from typing import Any
 
 from ansible_collections.llama.cluster.plugins.module_utils import trainer_log
 from ansible_collections.llama.cluster.plugins.module_utils.llama_job.protocol import JobStatus
+from ansible_collections.llama.cluster.plugins.module_utils.planner.plan import RunReport
 
 Event = dict[str, Any]
 
@@ -22,14 +22,6 @@ def as_number(value: object, kind: type[int] | type[float]) -> Any:  # noqa: ANN
         return kind(value)
     except (TypeError, ValueError):
         return None
-
-
-def as_flag(value: object) -> bool | None:
-    """A boolean from a bool or Ansible's rendering of one ("True", "false"), else None."""
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower() if value is not None else ""
-    return {"true": True, "false": False}.get(text)
 
 
 def as_seconds(value: object) -> float | None:
@@ -51,15 +43,6 @@ def as_seconds(value: object) -> float | None:
     for part in parts:
         total = total * 60 + part
     return days * 86400 + total
-
-
-def json_object(text: str) -> dict[str, Any]:
-    """The JSON object in `text`, or {} when it holds none."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 @dataclass(frozen=True)
@@ -155,87 +138,16 @@ class TrainProgress:
         return min(1.0, self.step / self.total_steps)
 
 
-@dataclass(frozen=True)
-class TrainSummary:
-    """How a finished training run went: train.yml's set_stats `llama_run`."""
+# How a finished training run went: train.yml's set_stats `llama_run`, read as it was written
+# (TrainSummary.from_dict), as a job's status is (JobStatus.from_dict).
+TrainSummary = RunReport
 
-    run_id: str
-    world_size: int | None = None
-    # Every node's processes by their global ranks (torchrun's RANK): host -> ranks.
-    ranks: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
-    effective_batch_size: int | None = None
-    runtime_s: float | None = None
-    final_loss: float | None = None
-    last_step: int | None = None
-    output_dir: str | None = None
-    checkpoints: tuple[str, ...] = ()
-    controller_dir: Path | None = None
-    loss_plot: Path | None = None
-    tokens_per_s: float | None = None  # measured: the trainer log's tokens over its time
-    predicted_tokens_per_s: float | None = None  # the planner's (GPU plans only)
-    # The plan's choices (train.yml's plan), so that the same plan can run elsewhere.
-    nnodes: int | None = None
-    deepspeed: str | None = None
-    per_device_train_batch_size: int | None = None
-    gradient_accumulation_steps: int | None = None
-    gradient_checkpointing: bool | None = None
-    torch_compile: bool | None = None
 
-    @classmethod
-    def from_stats(cls, data: Mapping[str, Any]) -> TrainSummary:
-        """The summary from the `llama_run` mapping of the stats event."""
-
-        def path(value: object) -> Path | None:
-            return Path(str(value)) if value else None
-
-        return cls(
-            run_id=str(data.get("run_id", "")),
-            world_size=data.get("world_size"),
-            ranks={
-                str(host): tuple(int(r) for r in ranks or ())
-                for host, ranks in (data.get("ranks") or {}).items()
-            },
-            effective_batch_size=data.get("effective_batch_size"),
-            runtime_s=data.get("runtime_s"),
-            final_loss=data.get("final_loss"),
-            last_step=data.get("last_step"),
-            output_dir=data.get("output_dir"),
-            checkpoints=tuple(str(c) for c in data.get("checkpoints") or ()),
-            controller_dir=path(data.get("controller_dir")),
-            loss_plot=path(data.get("loss_plot")),
-            tokens_per_s=as_number(data.get("tokens_per_s"), float),
-            predicted_tokens_per_s=as_number(data.get("predicted_tokens_per_s"), float),
-            nnodes=as_number(data.get("nnodes"), int),
-            deepspeed=str(data["deepspeed"]) if data.get("deepspeed") else None,
-            per_device_train_batch_size=as_number(data.get("per_device_train_batch_size"), int),
-            gradient_accumulation_steps=as_number(data.get("gradient_accumulation_steps"), int),
-            gradient_checkpointing=as_flag(data.get("gradient_checkpointing")),
-            torch_compile=as_flag(data.get("torch_compile")),
-        )
-
-    @classmethod
-    def from_controller_dir(cls, run_id: str, directory: Path) -> TrainSummary:
-        """What the files a run brought back to the controller say (logs.yml's copies of rank
-        0's trainer_log.jsonl, all_results.json and training_loss.png): no world size, batch or
-        checkpoints, which only train.yml's plan knows."""
-        log_file = directory / "trainer_log.jsonl"
-        results_file = directory / "all_results.json"
-        plot = directory / "training_loss.png"
-        text = log_file.read_text(encoding="utf-8") if log_file.is_file() else ""
-        # The last attempt's records: after a restart the steps since the checkpoint are twice.
-        figures = trainer_log.log_figures(trainer_log.parse_records(text))
-        results = (
-            json_object(results_file.read_text(encoding="utf-8")) if results_file.is_file() else {}
-        )
-        return cls(
-            run_id=run_id,
-            runtime_s=as_number(results.get("train_runtime"), float),
-            final_loss=as_number(figures["final_loss"], float),
-            last_step=as_number(figures["last_step"], int),
-            tokens_per_s=as_number(figures["tokens_per_s"], float),
-            controller_dir=directory,
-            loss_plot=plot if plot.is_file() else None,
-        )
+def summary_of_files(run_id: str, directory: Path) -> TrainSummary:
+    """What the files a run brought back to the controller say (logs.yml's copies of rank 0's
+    trainer_log.jsonl, all_results.json and training_loss.png): no world size, batch or
+    checkpoints, which only train.yml's plan knows."""
+    return TrainSummary(run_id=run_id, **trainer_log.brought_back(str(directory)))
 
 
 @dataclass

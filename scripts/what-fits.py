@@ -35,6 +35,10 @@ from ansible_collections.llama.cluster.plugins.module_utils.planner.assembly imp
 from ansible_collections.llama.cluster.plugins.module_utils.planner.errors import (  # noqa: E402
     PlanError,
 )
+from ansible_collections.llama.cluster.plugins.module_utils.planner.plan import (  # noqa: E402
+    Plan,
+    Stage,
+)
 from ansible_collections.llama.cluster.plugins.module_utils.planner.schema import (  # noqa: E402
     DEEPSPEED_STAGES,
 )
@@ -112,26 +116,25 @@ def node(gib: float) -> dict[str, Any]:
     }
 
 
-def measured(points: list[dict[str, Any]], p: dict[str, Any], model: str, cap: int) -> str:
+def measured(points: list[dict[str, Any]], p: Plan, model: str, cap: int) -> str:
     """The tokens/s of a point that ran alone with the plan's configuration, or ''."""
-    args = p["train_args"]
-    if int(args.get("gradient_accumulation_steps", 1)) != 1:
+    if p.batch.accumulation != 1:
         return ""
-    tech = p["technique"]
+    tech = p.technique
     for point in points:
         same = (
             point.get("alone")
             and point["status"] == "ok"
             and point["shape"] == SHAPES[model]
-            and point["finetuning"] == p["model"]["finetuning_type"]
-            and point["stage"] == p["deepspeed"]
-            and point.get("optim", "adamw_torch") == tech["optim"]
-            and bool(point.get("liger")) == tech["liger"]
-            and int(point.get("quant") or 0) == tech["quantization_bit"]
-            and bool(point.get("compile")) == p["torch_compile"]
+            and point["finetuning"] == p.model["finetuning_type"]
+            and point["stage"] == p.stage.stage
+            and point.get("optim", "adamw_torch") == tech.optim
+            and bool(point.get("liger")) == tech.liger
+            and int(point.get("quant") or 0) == tech.quantization_bit
+            and bool(point.get("compile")) == p.batch.torch_compile
             and not point.get("fp8")
-            and point["checkpointing"] == p["gradient_checkpointing"]
-            and point["micro_batch"] == args.get("per_device_train_batch_size")
+            and point["checkpointing"] == p.batch.checkpointing
+            and point["micro_batch"] == p.batch.micro
             and point["cap_gib"] == cap
         )
         if same and point.get("tokens_per_s"):
@@ -145,13 +148,13 @@ def cell(model: str, extra: dict[str, Any], gib: float, points: list[dict[str, A
                  settings=settings())  # fmt: skip
     except PlanError:
         return "does not fit"
-    args = p["train_args"]
-    what = [p["deepspeed"] if p["deepspeed"] != "none" else "no DeepSpeed"]
-    if p["technique"]["label"] != "none":
-        what.append(p["technique"]["label"])
-    batch = f"{args['per_device_train_batch_size']} x {args['gradient_accumulation_steps']}"
-    what.append(batch + (", ckpt" if p["gradient_checkpointing"] else ""))
-    speed = f"{p['performance']['tokens_per_s']:,.0f} predicted"
+    stage = p.stage.stage
+    what = [str(stage) if stage is not Stage.NONE else "no DeepSpeed"]
+    if p.technique.label != "none":
+        what.append(p.technique.label)
+    batch = f"{p.batch.micro} x {p.batch.accumulation}"
+    what.append(batch + (", ckpt" if p.batch.checkpointing else ""))
+    speed = f"{p.performance['tokens_per_s']:,.0f} predicted"
     seen = measured(points, p, model, CAPS[gib]) or "planned, not measured"
     return f"{', '.join(what)}: {speed}; {seen}"
 

@@ -45,6 +45,7 @@ from ansible_collections.llama.cluster.plugins.module_utils.inventory import (  
     global_ranks,
 )
 
+from tests.support.node_usage import fake_proc  # noqa: E402
 from train_runner import DEFAULT_INVENTORY, Cluster  # noqa: E402
 
 
@@ -74,6 +75,36 @@ def test_net_inventory(tmp_path: Path) -> Path:
         f"        workers:\n          hosts:\n            b: {node % 2}\n"
     )
     return inventory
+
+
+@pytest.fixture
+def proc(tmp_path: Path) -> Path:
+    """A /proc with another user's process on a GPU (tests/support/node_usage.py)."""
+    return fake_proc(tmp_path)
+
+
+@pytest.fixture
+def local_inventory(tmp_path: Path) -> Path:
+    """A cluster of one host, the controller itself (no SSH)."""
+    path = tmp_path / "local.yml"
+    path.write_text(
+        "all:\n"
+        "  children:\n"
+        "    cluster:\n"
+        "      children:\n"
+        "        master:\n"
+        "          hosts:\n"
+        "            localhost:\n"
+        "              ansible_connection: local\n"
+        "              ansible_python_interpreter: '{{ ansible_playbook_python }}'\n"
+    )
+    return path
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, local_inventory: Path) -> Cluster:
+    """The API on the controller alone (local_inventory), keeping 3 runs' artifacts."""
+    return Cluster(local_inventory, private_data_dir=tmp_path / "runner", keep_artifacts=3)
 
 
 @pytest.fixture(scope="session")

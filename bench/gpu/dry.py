@@ -27,7 +27,10 @@ import json
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ansible_collections.llama.cluster.plugins.module_utils.planner.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "collections"))
@@ -83,7 +86,7 @@ def extra_vars(cmd: list[str]) -> dict[str, Any]:
     return extra
 
 
-def plan_for(extra: dict[str, Any], gib: float, nodes: int, records: int) -> dict[str, Any]:
+def plan_for(extra: dict[str, Any], gib: float, nodes: int, records: int) -> Plan:
     """The planner's plan of train.yml's extra vars on `nodes` GPUs of `gib` each (PlanError
     when it refuses), and its checkpoints checked against the machine's free disk."""
     fits = _what_fits()
@@ -117,7 +120,7 @@ def plan_for(extra: dict[str, Any], gib: float, nodes: int, records: int) -> dic
         settings={**fits.settings(), "shared_storage": True},
     )
     free = dict.fromkeys(hosts, DISK_FREE_GIB * GIB)
-    disk = disk_budget(planned, free, "/opt/llama-cluster/runs")
+    disk = disk_budget(planned.to_dict(), free, "/opt/llama-cluster/runs")
     if not disk["ok"]:
         raise PlanError(f"the GPU machine's disk ({DISK_FREE_GIB} GiB free): {disk['message']}")
     return planned
@@ -130,17 +133,17 @@ def product(dest: Path, cmd: list[str], *, cap: float | None, nodes: int, record
     plans = {card: plan_for(extra, gib, nodes, records) for card, gib in cards.items()}
     planned = next(iter(plans.values()))
     dest.mkdir(parents=True, exist_ok=True)
-    (dest / "plan.json").write_text(json.dumps(planned, indent=1, default=str) + "\n")
+    (dest / "plan.json").write_text(json.dumps(planned.to_dict(), indent=1, default=str) + "\n")
     import yaml  # noqa: PLC0415  (PyYAML comes with the controller's and the training venv)
 
-    (dest / "train.yaml").write_text(yaml.safe_dump(planned["train_args"], sort_keys=False))
-    tokens = float(planned["tokens_per_optimizer_step"])
-    speed = float(planned["performance"].get("tokens_per_s") or tokens)
+    (dest / "train.yaml").write_text(yaml.safe_dump(dict(planned.train_args), sort_keys=False))
+    tokens = float(planned.batch.tokens_per_optimizer_step)
+    speed = float(planned.performance.get("tokens_per_s") or tokens)
     return {
         "kind": "train.yml (dry run)",
         "ok": True,
         "dry": True,
-        "plans": {card: p["summary"] for card, p in plans.items()},
+        "plans": {card: list(p.summary) for card, p in plans.items()},
         "tokens_per_s": round(speed, 1),
         "tokens_per_step": tokens,
         "step_s": round(tokens / speed, 3),

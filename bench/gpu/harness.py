@@ -549,8 +549,8 @@ def rendered(train_yaml: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any]
     """The profile settings train.yml rendered (absent keys are LLaMA-Factory's defaults)."""
     out = {k: train_yaml[k] for k in PROFILE_KEYS if k in train_yaml}
     if plan:
-        out["stage"] = plan.get("deepspeed")
-        out["effective_batch"] = plan.get("effective_batch")
+        out["stage"] = plan["stage"]["name"]
+        out["effective_batch"] = plan["batch"]["effective"]
         out["world_size"] = plan.get("world_size")
     return out
 

@@ -56,28 +56,22 @@ STEPS = 8
 DATA_SAMPLES = 2500
 
 # config.json fields of each shape (the published configs; random weights, bf16).
+ROOT = HERE.parents[1]
 _QWEN = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "rope_theta": 1000000.0}
+
+
+def _catalogue(name: str, rope_theta: float = 1000000.0) -> dict[str, Any]:
+    """A model's config.json as the project's catalogue carries it (group_vars/all/models.yml),
+    with its published rope_theta (which the catalogue leaves out: the planner needs none)."""
+    import yaml  # noqa: PLC0415 - the grid's machine has it (transformers needs it)
+
+    catalogue = yaml.safe_load((ROOT / "group_vars/all/models.yml").read_text())
+    return {**catalogue["models_catalogue"][name]["config"], "rope_theta": rope_theta}
+
+
 SHAPES: dict[str, dict[str, Any]] = {
-    "0.5b": {
-        **_QWEN,
-        "hidden_size": 896,
-        "num_hidden_layers": 24,
-        "num_attention_heads": 14,
-        "num_key_value_heads": 2,
-        "intermediate_size": 4864,
-        "vocab_size": 151936,
-        "tie_word_embeddings": True,
-    },
-    "1.5b": {
-        **_QWEN,
-        "hidden_size": 1536,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 12,
-        "num_key_value_heads": 2,
-        "intermediate_size": 8960,
-        "vocab_size": 151936,
-        "tie_word_embeddings": True,
-    },
+    "0.5b": _catalogue("qwen2.5-0.5b"),
+    "1.5b": _catalogue("qwen2.5-1.5b"),
     "3b": {
         **_QWEN,
         "hidden_size": 2048,
@@ -88,51 +82,10 @@ SHAPES: dict[str, dict[str, Any]] = {
         "vocab_size": 151936,
         "tie_word_embeddings": True,
     },
-    "4b": {  # Qwen3-4B
-        "model_type": "qwen3",
-        "architectures": ["Qwen3ForCausalLM"],
-        "rope_theta": 1000000.0,
-        "hidden_size": 2560,
-        "num_hidden_layers": 36,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "intermediate_size": 9728,
-        "vocab_size": 151936,
-        "tie_word_embeddings": True,
-    },
-    "7b": {
-        **_QWEN,
-        "hidden_size": 3584,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 28,
-        "num_key_value_heads": 4,
-        "intermediate_size": 18944,
-        "vocab_size": 152064,
-        "tie_word_embeddings": False,
-    },
-    "8b": {  # Llama-3.1-8B
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "rope_theta": 500000.0,
-        "hidden_size": 4096,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "intermediate_size": 14336,
-        "vocab_size": 128256,
-        "tie_word_embeddings": False,
-    },
-    "14b": {  # Qwen2.5-14B
-        **_QWEN,
-        "hidden_size": 5120,
-        "num_hidden_layers": 48,
-        "num_attention_heads": 40,
-        "num_key_value_heads": 8,
-        "intermediate_size": 13824,
-        "vocab_size": 152064,
-        "tie_word_embeddings": False,
-    },
+    "4b": _catalogue("qwen3-4b"),  # Qwen3-4B
+    "7b": _catalogue("qwen2.5-7b"),
+    "8b": _catalogue("llama3-8b", rope_theta=500000.0),  # Llama-3.1-8B
+    "14b": _catalogue("qwen2.5-14b"),  # Qwen2.5-14B
     # CPU smoke test of this script only.
     "tiny": {
         **_QWEN,
@@ -146,50 +99,14 @@ SHAPES: dict[str, dict[str, Any]] = {
     },
 }
 
-# ds_config.json's zero_optimization per stage: roles/run_config/vars/main.yml with the role's
-# defaults (bucket 5e8, overlap_comm false), as train.yml renders them.
-_ZERO3 = {
-    "stage": 3,
-    "overlap_comm": False,
-    "contiguous_gradients": True,
-    "reduce_bucket_size": "auto",
-    "stage3_prefetch_bucket_size": "auto",
-    "stage3_param_persistence_threshold": "auto",
-    "sub_group_size": 1000000000,
-    "stage3_max_live_parameters": 1000000000,
-    "stage3_max_reuse_distance": 1000000000,
-    "stage3_gather_16bit_weights_on_model_save": True,
-}
-ZERO = {
-    "zero2": {
-        "stage": 2,
-        "allgather_partitions": True,
-        "allgather_bucket_size": 500000000,
-        "reduce_scatter": True,
-        "reduce_bucket_size": 500000000,
-        "overlap_comm": False,
-        "contiguous_gradients": True,
-        "round_robin_gradients": True,
-    },
-    "zero3": _ZERO3,
-    # ZeRO-Offload proper: ZeRO-2 with the optimizer (fp32 master weights, AdamW) on the host.
-    "zero2_offload": {
-        "stage": 2,
-        "allgather_partitions": True,
-        "allgather_bucket_size": 500000000,
-        "reduce_scatter": True,
-        "reduce_bucket_size": 500000000,
-        "overlap_comm": False,
-        "contiguous_gradients": True,
-        "round_robin_gradients": True,
-        "offload_optimizer": {"device": "cpu", "pin_memory": True},
-    },
-    "zero3_offload": {
-        **_ZERO3,
-        "offload_optimizer": {"device": "cpu", "pin_memory": True},
-        "offload_param": {"device": "cpu", "pin_memory": True},
-    },
-}
+
+def zero_section(stage: str) -> dict[str, Any]:
+    """ds_config.json's zero_optimization for `stage` as train.yml renders it, with
+    roles/run_config's defaults (bucket 5e8, overlap_comm false): bench/links.py reads the role."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from links import deepspeed_config  # noqa: PLC0415 - the grid's CPU smoke test needs none
+
+    return deepspeed_config(stage)["zero_optimization"]
 
 
 @dataclass(frozen=True)
@@ -702,7 +619,7 @@ def train_config(point: Point, model: Path, data: Path, out: Path, gpu: bool) ->
             "gradient_clipping": "auto",
             "zero_allow_untested_optimizer": True,
             "bf16": {"enabled": "auto"},
-            "zero_optimization": ZERO[point.stage],
+            "zero_optimization": zero_section(point.stage),
         }
         (out / "ds_config.json").write_text(json.dumps(ds, indent=2))
         cfg["deepspeed"] = str(out / "ds_config.json")

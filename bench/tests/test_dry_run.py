@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import sys
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import memory_grid  # noqa: E402
 from ansible_collections.llama.cluster.plugins.module_utils.planner.errors import (  # noqa: E402
     PlanError,
 )
+from ansible_collections.llama.cluster.plugins.module_utils.planner.plan import Stage  # noqa: E402
 from ansible_collections.llama.cluster.plugins.module_utils.planner.schema import (  # noqa: E402
     llamafactory_names,
 )
@@ -58,6 +60,9 @@ def test_every_harness_phase_runs_dry(tmp_path):
     assert dry_run(harness, tmp_path, phases) == {}
     summary = (tmp_path / "summary.md").read_text()
     assert "Scaling" in summary
+    # Each run's stage as the plan's JSON names it, for the report's "What train.yml rendered".
+    shard = json.loads((tmp_path / "results" / "shard-zero3" / "result.json").read_text())
+    assert shard["rendered"]["stage"] == "zero3"
 
 
 def test_the_14b_cards_phase_plans_qlora_for_its_cap_and_writes_every_hand_config(tmp_path):
@@ -81,7 +86,7 @@ def test_a_run_the_gpu_machines_disk_cannot_hold_fails_the_dry_run_unless_it_sav
     with pytest.raises(PlanError, match="disk"):
         dry.plan_for(extra, dry.CARDS["H200"], 1, 12000)
     quiet = {**extra, "train_args": {"save_strategy": "no"}}
-    assert dry.plan_for(quiet, dry.CARDS["H200"], 1, 12000)["deepspeed"] == "none"
+    assert dry.plan_for(quiet, dry.CARDS["H200"], 1, 12000).stage.stage is Stage.NONE
 
 
 def test_the_extra_vars_of_a_command_line_are_read_as_ansible_reads_them():

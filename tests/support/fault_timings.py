@@ -1,6 +1,6 @@
 """Where the fault tests write what they measured: `.cache/fault_timings.json` (not in git; each
 run rewrites the rows it measured), which docs/faults.md's table is read from. Shared by the
-molecule train scenario (molecule/train/tests/test_train.py) and the lab's local-rank faults
+molecule train scenario (molecule/train/tests/test_train*.py) and the lab's local-rank faults
 (tests/lab/test_lab_ranks.py)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parents[2] / ".cache" / "fault_timings.json"
 ABOUT = (
-    "Written by molecule/train/tests/test_train.py and tests/lab/test_lab_ranks.py: seconds from "
+    "Written by molecule/train/tests/test_train*.py and tests/lab/test_lab_ranks.py: seconds from "
     "each fault to no training process left on any node still up (2 CPU nodes on one machine), "
     "the bound the test asserts, how it is derived, and the load average when it was measured."
 )

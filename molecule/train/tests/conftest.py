@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from test_train import _playbook
+from scenario import _playbook
 
 # A recognisable fake hub token: test_models asserts it shows nowhere but in its 0600 file.
 HF_TOKEN = "hf_FAKE_llama_cluster_1234567890"

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from test_train import NODES, ROOT, RUNS, _env, _inventory, _node, _run_id, _said
+from scenario import NODES, ROOT, RUNS, _env, _inventory, _node, _run_id, _said
 
 MIXED = ROOT / "tests" / "data" / "sharegpt_mixed.json"
 FACTS = "/etc/ansible/facts.d"

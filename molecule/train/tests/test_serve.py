@@ -23,7 +23,7 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from test_train import NODES, PREFIX, ROOT, RUNS, _address, _inventory
+from scenario import NODES, PREFIX, ROOT, RUNS, _address, _inventory
 
 NETWORK = f"{PREFIX}-train"
 OUTSIDER = f"{PREFIX}-train-outsider"

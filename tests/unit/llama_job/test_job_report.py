@@ -1,16 +1,15 @@
 """How a play reports a job from what each node's llama-job said (filter/job.py: the protocol's
-JobStatus, unchanged), and rank 0's trainer log after restarts: readers use the last attempt's
-records (module_utils/trainer_log.py)."""
+JobStatus, unchanged): the verdict, an ended run's outcome and where to continue, a node's log
+split per rank.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,30 +21,18 @@ from ansible_collections.llama.cluster.plugins.filter.job import (
     job_resume,
     job_run_summary,
     job_status_lines,
-    job_trainer_log,
 )
 from ansible_collections.llama.cluster.plugins.filter.job import (
     job_status_of as job_status,
 )
-from ansible_collections.llama.cluster.plugins.module_utils import job_view
 from ansible_collections.llama.cluster.plugins.module_utils.llama_job import protocol
 from ansible_collections.llama.cluster.plugins.module_utils.llama_job.checkpoints import (
     continue_plan,
 )
-from ansible_collections.llama.cluster.plugins.module_utils.trainer_log import (
-    last_attempt,
-    log_figures,
-    parse_records,
-    read_tail,
-    tokens_per_second,
-)
-from ansible_collections.llama.cluster.plugins.modules import llama_job as job_module
-from ansible_collections.llama.cluster.plugins.modules.llama_job import trainer_log
 
-import llama_runner
-from llama_runner import api, cli, events, results
 from tests.support.llama_job_support import TOOL
 
+ROOT = Path(__file__).resolve().parents[3]
 REASON = {
     "node": "node2",
     "rank": 1,
@@ -455,389 +442,6 @@ def test_found_files_keep_the_entries_and_none_for_a_silent_node():
     }
 
 
-def test_the_summary_of_train_yml_reads_the_last_attempt_of_the_log():
-    attempt1 = [{"current_steps": s, "total_steps": 8, "loss": 9.0} for s in range(1, 7)]
-    attempt2 = [{"current_steps": s, "total_steps": 8, "loss": 1.0 + s} for s in range(5, 9)]
-    closing = {"current_steps": 8, "total_steps": 8}
-    text = "\n".join(json.dumps(r) for r in [*attempt1, *attempt2, closing])
-    figures = job_trainer_log(text)
-    assert (figures["last_step"], figures["final_loss"], figures["records"]) == (8, 9.0, 5)
-    assert job_trainer_log("")["final_loss"] is None
-
-
-# ---------------------------------------------------------------------------------------------
-# The trainer log after restarts (issue 24).
-# ---------------------------------------------------------------------------------------------
-
-
-def _log(*steps: int, total: int = 10) -> list[dict]:
-    return [{"current_steps": s, "total_steps": total, "loss": 10.0 - s / 10} for s in steps]
-
-
-def _closing(step: int, total: int = 10) -> dict:
-    """The record the Trainer writes once training ends: the last step again, no loss."""
-    return {"current_steps": step, "total_steps": total, "elapsed_time": "0:01:05"}
-
-
-def test_a_log_without_restart_is_its_own_last_attempt():
-    records = [*_log(1, 2, 3, 4), _closing(4)]
-    assert last_attempt(records) == records
-
-
-def test_one_restart_keeps_the_records_from_the_checkpoint_on():
-    # Checkpoint at 5, killed at 7; attempt 2 logs 6 to 10 again.
-    records = [*_log(1, 2, 3, 4, 5, 6, 7), *_log(6, 7, 8, 9, 10), _closing(10)]
-    kept = last_attempt(records)
-    assert [r["current_steps"] for r in kept] == [6, 7, 8, 9, 10, 10]
-    assert kept[0] is records[7]
-
-
-def test_two_restarts_keep_only_the_last_attempt():
-    records = [*_log(1, 2, 3, 4), *_log(3, 4, 5, 6, 7), *_log(5, 6, 7, 8)]
-    assert [r["current_steps"] for r in last_attempt(records)] == [5, 6, 7, 8]
-
-
-def test_records_without_a_step_do_not_hide_a_restart():
-    records = [*_log(1, 2, 3), {"eval_loss": 1.0}, *_log(2, 3)]
-    assert [r.get("current_steps") for r in last_attempt(records)] == [2, 3]
-    assert last_attempt([]) == []
-
-
-def test_figures_come_from_the_last_attempt_and_the_last_logged_loss():
-    # 100 records for 90 steps: the GPU run of issue 24, checkpoint 80, killed at 90.
-    first = _log(*range(1, 91), total=90)
-    second = [
-        {"current_steps": s, "total_steps": 90, "loss": 0.5, "elapsed_time": "0:00:30"}
-        for s in range(81, 91)
-    ]
-    second[-1]["loss"] = 0.25
-    records = [*first, *second, _closing(90, total=90)]
-    assert len(records) == 101
-    figures = log_figures(records)
-    assert figures == {
-        "last_step": 90,
-        "total_steps": 90,
-        "final_loss": 0.25,
-        "elapsed": "0:01:05",
-        "tokens_per_s": None,  # no total_tokens: include_num_input_tokens_seen was off
-        "records": 11,
-    }
-    assert log_figures([])["last_step"] is None
-
-
-def _timed(step: int, tokens: int, seconds: float) -> dict:
-    """A record as LLaMA-Factory writes it with include_num_input_tokens_seen on."""
-    return {
-        "current_steps": step,
-        "total_tokens": tokens,
-        "throughput": round(tokens / seconds, 2),
-        "elapsed_time": f"0:00:{int(seconds):02d}",
-    }
-
-
-def test_speed_is_taken_between_the_first_record_and_the_last():
-    # Step 1 takes 9 s (start-up), then 1,000 tokens per 0.5 s: 2,000 tokens/s from step 1 on,
-    # where the last record's throughput (since the start) says 640.
-    records = [_timed(s, 1000 * s, 9.0 + 0.5 * (s - 1)) for s in range(1, 9)]
-    assert records[-1]["throughput"] == 640.0
-    assert tokens_per_second(records) == pytest.approx(2000.0, rel=1e-4)
-    assert log_figures(records)["tokens_per_s"] == pytest.approx(2000.0, rel=1e-4)
-
-
-def test_speed_of_one_record_is_its_throughput_and_none_without_tokens():
-    assert tokens_per_second([_timed(1, 1000, 4.0)]) == pytest.approx(250.0)
-    assert tokens_per_second(_log(1, 2, 3)) is None
-    assert tokens_per_second([]) is None
-
-
-def test_speed_after_a_restart_is_the_last_attempts():
-    # Attempt 2 resumes at step 5 with the checkpoint's token count and its own clock.
-    first = [_timed(s, 1000 * s, 1.0 * s) for s in range(1, 8)]
-    second = [_timed(s, 1000 * s, 20.0 + 0.25 * (s - 5)) for s in range(5, 11)]
-    assert log_figures([*first, *second])["tokens_per_s"] == pytest.approx(4000.0, rel=1e-3)
-
-
-def test_a_partial_last_line_is_skipped():
-    text = json.dumps({"current_steps": 1}) + "\n" + '{"current_steps": 2, "lo'
-    assert parse_records(text) == [{"current_steps": 1}]
-
-
-def test_the_tail_starts_at_a_whole_line_and_a_link_is_not_followed(tmp_path: Path):
-    log = tmp_path / "trainer_log.jsonl"
-    log.write_text("".join(json.dumps(r) + "\n" for r in _log(*range(1, 200))))
-    tail = parse_records(read_tail(str(log), limit=500))
-    assert tail
-    assert tail[-1]["current_steps"] == 199
-    assert len(tail) < 199
-    link = tmp_path / "link.jsonl"
-    os.symlink(log, link)
-    with pytest.raises(OSError, match="symbolic links"):
-        read_tail(str(link))
-
-
-def test_the_status_module_reports_the_last_attempt_of_the_masters_log(tmp_path: Path):
-    log = tmp_path / "trainer_log.jsonl"
-    log.write_text("".join(json.dumps(r) + "\n" for r in [*_log(1, 2, 3), *_log(2, 3, 4)]))
-    figures = trainer_log(str(log))
-    assert (figures["last_step"], figures["records"], figures["final_loss"]) == (4, 3, 9.6)
-    assert trainer_log("") == {}
-    assert trainer_log(str(tmp_path / "absent.jsonl")) == {}
-
-
-# One definition of a job's phases, failure kinds and status: every layer that reads a job's
-# state imports llama_job's protocol module, and the zipapp on the nodes carries the same
-# definition. A status is carried unchanged: what llama-job prints is what the module hands on,
-# what the filters make is what status.yml publishes and what the API reads back.
-
-NODE_PHASES = (
-    "import json, sys\n"
-    "sys.path.insert(0, sys.argv[1])\n"
-    "from llama_cluster.llama_job import protocol as p\n"
-    "print(json.dumps({'phases': [x.value for x in p.Phase],"
-    " 'kinds': [x.value for x in p.FailureKind], 'file': p.__file__}))\n"
-)
-
-
-def test_every_controller_layer_imports_the_one_protocol_module():
-    assert llama_runner.JobStatus is protocol.JobStatus  # the API
-    assert llama_runner.Phase is protocol.Phase
-    assert llama_runner.FailureKind is protocol.FailureKind
-    assert api.JobStatus is results.JobStatus is cli.JobStatus is protocol.JobStatus
-    assert events.RankStatus is protocol.RankStatus
-    assert job_filters.JobStatus is protocol.JobStatus  # the filters
-    assert job_filters.job_status is job_view.job_status
-    assert job_module.RankStatus is protocol.RankStatus  # the llama_job module
-    assert job_module.leading is protocol.leading
-
-
-def test_the_zipapp_on_the_nodes_carries_the_same_phases_and_kinds():
-    shown = subprocess.run(
-        [sys.executable, "-c", NODE_PHASES, str(TOOL)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    node = json.loads(shown.stdout)
-    assert node["file"].startswith(str(TOOL))  # read from inside the archive
-    assert node["phases"] == [p.value for p in protocol.Phase]
-    assert node["kinds"] == [k.value for k in protocol.FailureKind]
-
-
-def test_phases_and_failure_kinds_are_closed_and_say_what_they_allow():
-    ended = {p for p in protocol.Phase if p.is_terminal()}
-    assert ended == {protocol.Phase.SUCCEEDED, protocol.Phase.FAILED, protocol.Phase.STOPPED}
-    going = {p for p in protocol.Phase if p.in_progress()}
-    assert going.isdisjoint({protocol.Phase.UNKNOWN, protocol.Phase.ABSENT})
-    assert going >= {protocol.Phase.WAITING, protocol.Phase.RESTARTING}
-    assert {p for p in protocol.Phase if p.resumable()} == {
-        protocol.Phase.FAILED,
-        protocol.Phase.STOPPED,
-    }
-    assert protocol.Phase.of("no such phase") is protocol.Phase.UNKNOWN
-    assert protocol.Phase.of("running") is protocol.Phase.RUNNING
-    kinds = protocol.FailureKind
-    assert {k for k in kinds if k.restartable()} == {
-        kinds.EXITED,
-        kinds.VANISHED,
-        kinds.STALLED,
-        kinds.LOST,
-    }
-    assert protocol.FailureKind.of("no such kind") is kinds.EXITED
-
-
-RECORD = {
-    "job": "j", "host": "n1", "rank": 0, "supervisor": "process", "unit": "llama-j-rank0",
-    "log": "/l", "state": "/s", "started": "2026-12-02T07:00:00Z",
-}  # fmt: skip
-
-
-def test_a_rank_status_reaches_the_play_unchanged_with_its_lead_and_line():
-    state = {"phase": "running", "role": "master", "progress": {"current_steps": 3}}
-    rank = protocol.rank_status(RECORD, state, alive=True, left=[])
-    printed = {"job": "j", "found": True, "ranks": [rank.to_dict()]}
-    params = {"action": "status", "job": "j", "progress_file": ""}
-    handed = job_module.reshape(dict(printed), params)
-    assert handed["ranks"] == printed["ranks"]  # what llama-job printed, unchanged
-    assert handed["lead"] == rank.to_dict()
-    assert protocol.RankStatus.from_dict(handed["lead"]) == rank
-    assert handed["progress"] == "step 3/?"
-    assert handed["got_going"] is True
-    progress = results.TrainProgress.from_result("n1", handed)
-    assert progress is not None
-    assert progress.step == 3
-
-
-def test_an_agent_that_ended_without_a_word_is_a_lost_rank_and_a_failed_job():
-    state = {"phase": "running", "role": "master"}
-    lost = protocol.rank_status(RECORD, state, alive=False, left=[], errors=["boom"])
-    assert lost.phase is protocol.Phase.FAILED
-    assert lost.reason is not None
-    assert (lost.reason.kind, lost.reason.errors) == (protocol.FailureKind.LOST, ("boom",))
-    status = job_view.job_status(
-        {"n1": {"ranks": [lost.to_dict()]}, "n2": {"unreachable": True}}, "n1", "j"
-    )
-    assert (status.phase, status.node, status.unreachable) == (
-        protocol.Phase.FAILED,
-        "n1",
-        ("n2",),
-    )
-    assert status.nodes["n2"] == protocol.NodeStatus(
-        protocol.Phase.UNKNOWN, reachable=False, active=None
-    )
-
-
-def test_the_status_status_yml_publishes_is_the_one_the_api_reads_back():
-    outcome = _summarised(
-        _ended("failed", reason=KILLED, restarts=1),
-        {"node1": _checkpoints(20), "node2": _checkpoints(20)},
-    )
-    published = json.loads(json.dumps(outcome))  # set_stats: JSON on the way
-    job = protocol.JobStatus.from_dict(published)
-    assert job.to_dict() == outcome
-    assert (job.phase, job.node, job.exit_status, job.step) == (
-        protocol.Phase.FAILED,
-        "node2",
-        -9,
-        29,
-    )
-    assert job.summary is not None
-    assert job.summary.resume == protocol.Resume(
-        "checkpoint-20",
-        "ansible-playbook train.yml -e resume=true -e run_id=r",
-        "Continue from checkpoint-20: ansible-playbook train.yml -e resume=true -e run_id=r",
-    )
-    assert job.restarts[0].after == protocol.Failure.from_dict(REASON)
-
-
-# -- ansible-playbook's output: Ansible's default, then each play's time and the slowest tasks.
-
-ROOT = Path(__file__).resolve().parents[3]
-TIMERS_PLAYBOOK = """
-- name: Timers | First play
-  hosts: localhost
-  gather_facts: false
-  tasks:
-    - name: Timers | Wait a second
-      ansible.builtin.command: sleep 1
-      changed_when: false
-- name: Timers | Second play
-  hosts: localhost
-  gather_facts: false
-  tasks:
-    - name: Timers | Say done
-      ansible.builtin.debug:
-        msg: done
-"""
-
-
-def test_recap_is_followed_by_play_times_tasks_and_total(tmp_path: Path) -> None:
-    playbook = tmp_path / "timers.yml"
-    playbook.write_text(TIMERS_PLAYBOOK)
-    done = subprocess.run(
-        [
-            str(Path(sys.executable).with_name("ansible-playbook")),
-            "-i",
-            "localhost,",
-            "-c",
-            "local",
-            "-e",
-            f"ansible_python_interpreter={sys.executable}",
-            str(playbook),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "ANSIBLE_NOCOLOR": "1"},
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout[-2000:]
-    out = done.stdout
-    # The default callback's output is there as always, the timers after its recap.
-    assert "TASK [Timers | Wait a second]" in out
-    recap = out.index("PLAY RECAP")
-    plays = dict(re.findall(r"^(Timers \| \w+ play) -+ +([\d.]+)s$", out[recap:], re.M))
-    assert float(plays["Timers | First play"]) >= 1.0
-    assert float(plays["Timers | Second play"]) < float(plays["Timers | First play"])
-    tasks = dict(re.findall(r"^(Timers \| [\w ]+?) -+ +([\d.]+)s$", out[recap:], re.M))
-    assert float(tasks["Timers | Wait a second"]) >= 1.0
-    assert re.search(r"Playbook run took 0 days, 0 hours, 0 minutes, \d+ seconds", out[recap:])
-
-
-# Ctrl-C on a watched play stops the play, not the run (the cluster stops every rank only if one
-# fails): the play says so in one line, with how to follow or stop it. roles/job sets the line
-# (job_interrupt_note, from its vars) while a run goes on; the callback prints it after Ctrl-C.
-INTERRUPTED_PLAYBOOK = """
-- name: Interrupted | A play that leaves a run going
-  hosts: localhost
-  gather_facts: false
-  vars:
-    job_id: train-20261204-101500-tiny
-    job_attachable: true
-  tasks:
-    - name: Interrupted | Read the job role's note
-      ansible.builtin.include_vars: %(root)s/roles/job/vars/main.yml
-    - name: Interrupted | Note what goes on
-      ansible.builtin.set_fact:
-        job_interrupt_note: "{{ __job_interrupt_note }}"
-    - name: Interrupted | Note that nothing goes on any more
-      ansible.builtin.set_fact:
-        job_interrupt_note: ""
-      when: cleared | bool
-    - name: Interrupted | Follow the run
-      ansible.builtin.command: sleep %(sleep)s
-      changed_when: false
-"""
-
-
-def _interrupted(tmp_path: Path, cleared: bool, sleep: int = 60) -> tuple[int, str, str]:
-    playbook = tmp_path / "interrupted.yml"
-    playbook.write_text(INTERRUPTED_PLAYBOOK % {"root": ROOT, "sleep": sleep})
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).with_name("ansible-playbook")), "-i", "localhost,", "-c", "local",
-         "-e", f"ansible_python_interpreter={sys.executable}", "-e", f"cleared={cleared}",
-         str(playbook)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "ANSIBLE_NOCOLOR": "1"},
-    )  # fmt: skip
-    assert proc.stdout is not None
-    for line in proc.stdout:  # interrupt once the play follows the run
-        if "TASK [Interrupted | Follow the run]" in line:
-            break
-    if sleep > 5:
-        time.sleep(1)
-        proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
-    return proc.returncode, out, err
-
-
-NOTE = (
-    "Run train-20261204-101500-tiny goes on on every node: Ctrl-C stopped this play, not the run "
-    "(the cluster still stops every rank if one fails). Follow it: ansible-playbook "
-    "playbooks/attach.yml -e run_id=train-20261204-101500-tiny; stop it: ansible-playbook "
-    "playbooks/stop.yml -e run_id=train-20261204-101500-tiny."
-)
-
-
-def test_ctrl_c_on_a_watched_play_says_in_one_line_that_the_run_goes_on(tmp_path: Path):
-    rc, out, err = _interrupted(tmp_path, cleared=False)
-    assert rc == 99, (out[-2000:], err[-2000:])  # ansible-playbook's "User interrupted execution"
-    assert err.strip().splitlines()[-1] == NOTE, err[-2000:]
-    assert (out + err).count("goes on on every node") == 1
-
-
-def test_no_note_once_the_run_has_ended_or_when_the_play_is_not_interrupted(tmp_path: Path):
-    rc, out, err = _interrupted(tmp_path, cleared=True)
-    assert rc == 99
-    assert "goes on on every node" not in out + err
-    rc, out, err = _interrupted(tmp_path, cleared=False, sleep=0)
-    assert rc == 0, out[-2000:]
-    assert "goes on on every node" not in out + err
-
-
-# status.yml finds the run (tasks/find_run.yml registers `__runs_found`), then works out what it
-# came to (tasks/ended_run.yml): a registered variable wins over a task's vars, so a name the two
-# shared fed find's result to job_run_summary on the lab ("'bool' object is not iterable").
 ENDED_INVENTORY = """
 all:
   children:
@@ -913,15 +517,27 @@ def test_a_nodes_log_splits_into_one_log_per_rank_with_the_agents_lines_in_each(
     assert job_filters.job_rank_logs("no rank printed anything\n") == {}
 
 
-def test_the_ranks_line_names_every_node_in_rank_order():
-    status = {
-        "job": "r",
-        "phase": "succeeded",
-        "nodes": {
-            "b": {"phase": "succeeded", "rank": 1, "ranks": [2, 3]},
-            "a": {"phase": "succeeded", "rank": 0, "ranks": [0, 1]},
-        },
-    }
-    line = job_filters.job_ranks_line(status)
-    assert line == "a: ranks 0-1 (node rank 0); b: ranks 2-3 (node rank 1)"
-    assert job_filters.job_ranks_line({"job": "r", "phase": "succeeded", "nodes": {}}) == ""
+def test_the_status_status_yml_publishes_is_the_one_the_api_reads_back():
+    outcome = _summarised(
+        _ended("failed", reason=KILLED, restarts=1),
+        {"node1": _checkpoints(20), "node2": _checkpoints(20)},
+    )
+    published = json.loads(json.dumps(outcome))  # set_stats: JSON on the way
+    job = protocol.JobStatus.from_dict(published)
+    assert job.to_dict() == outcome
+    assert (job.phase, job.node, job.exit_status, job.step) == (
+        protocol.Phase.FAILED,
+        "node2",
+        -9,
+        29,
+    )
+    assert job.summary is not None
+    assert job.summary.resume == protocol.Resume(
+        "checkpoint-20",
+        "ansible-playbook train.yml -e resume=true -e run_id=r",
+        "Continue from checkpoint-20: ansible-playbook train.yml -e resume=true -e run_id=r",
+    )
+    assert job.restarts[0].after == protocol.Failure.from_dict(REASON)
+
+
+# -- ansible-playbook's output: Ansible's default, then each play's time and the slowest tasks.

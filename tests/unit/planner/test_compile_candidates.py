@@ -17,7 +17,8 @@ from ansible_collections.llama.cluster.plugins.module_utils.planner.techniques i
     Technique,
     candidates,
 )
-from test_planner import CATALOGUE, make_plan, nodes
+
+from tests.support.planning import CATALOGUE, make_plan, nodes
 
 # 50,000 records of about 512 tokens, 3 epochs of 4 packed rows a step: 9,375 optimizer steps.
 LONG = {"dataset_records": 50000}
@@ -25,23 +26,23 @@ SHORT = {"dataset_records": 2000}
 
 
 def line(plan: dict, start: str) -> str:
-    return next(x for x in plan["summary"] if x.startswith(start))
+    return next(x for x in plan.summary if x.startswith(start))
 
 
 def test_a_long_run_compiles_the_fastest_candidate_and_its_uncompiled_twin_is_the_runner_up():
     plan = make_plan("qwen2.5-1.5b", finetuning_type="full", **LONG)
-    assert plan["train_args"]["torch_compile"] is True
-    assert plan["technique"]["label"] == "torch.compile"
-    assert plan["decisions"]["torch_compile"].startswith("about 9375 optimizer steps of ~")
-    assert "(19% of each) against ~84 s of compiling" in plan["decisions"]["torch_compile"]
+    assert plan.train_args["torch_compile"] is True
+    assert plan.technique.label == "torch.compile"
+    assert plan.batch.compile_why.startswith("about 9375 optimizer steps of ~")
+    assert "(19% of each) against ~84 s of compiling" in plan.batch.compile_why
     assert "micro-batch 4 x accumulation 1, checkpointing off" in line(plan, "Runner-up")
     assert "torch.compile" not in line(plan, "Runner-up")
 
 
 def test_a_short_run_searches_no_compiled_candidate_and_says_why():
     plan = make_plan("qwen2.5-1.5b", finetuning_type="full", **SHORT)
-    assert "torch_compile" not in plan["train_args"]
-    assert "against ~84 s of compiling" in plan["decisions"]["torch_compile"]
+    assert "torch_compile" not in plan.train_args
+    assert "against ~84 s of compiling" in plan.batch.compile_why
     assert "torch.compile" not in line(plan, "Runner-up")
 
 
@@ -49,9 +50,9 @@ def test_a_torch_compile_set_in_train_args_is_kept_and_no_twin_is_searched():
     plan = make_plan(
         "qwen2.5-1.5b", finetuning_type="full", train_args={"torch_compile": False}, **LONG
     )
-    assert plan["train_args"]["torch_compile"] is False
-    assert plan["decisions"]["torch_compile"] == "as set"
-    assert plan["technique"]["label"] == "none"
+    assert plan.train_args["torch_compile"] is False
+    assert plan.batch.compile_why == "as set"
+    assert plan.technique.label == "none"
 
 
 def test_a_compiled_twin_exists_only_where_its_saving_was_measured_and_only_without_deepspeed():
@@ -105,8 +106,8 @@ def test_fp8_that_would_end_a_short_1_5b_run_later_than_bf16_is_refused_with_the
 
 def test_fp8_says_per_shape_what_it_gives_and_compiles():
     plan = make_plan("qwen2.5-7b", finetuning_type="full", cluster=fp8_nodes(), fp8=True, **LONG)
-    assert plan["train_args"]["torch_compile"] is True
-    said = plan["decisions"]["fp8"]
+    assert plan.train_args["torch_compile"] is True
+    said = plan.technique.fp8
     assert "1.54B full fine-tune 1.06x bf16" in said
     assert "this run: not measured at 7.62B" in said
     assert "compiling ~240 s" in line(plan, "First optimizer step")

@@ -48,11 +48,15 @@ from ansible_collections.llama.cluster.plugins.module_utils.planner.model import
 from ansible_collections.llama.cluster.plugins.module_utils.planner.nodes import (  # noqa: E402
     describe_nodes,
 )
+from ansible_collections.llama.cluster.plugins.module_utils.planner.plan import (  # noqa: E402
+    Plan,
+)
 from ansible_collections.llama.cluster.plugins.module_utils.planner.schema import (  # noqa: E402
     DEEPSPEED_STAGES,
 )
-from test_planner import RTX4090_GIB, SETTINGS, TRAINING, make_plan, nodes  # noqa: E402
 from test_run_plan_action import CONFIG  # noqa: E402
+
+from tests.support.planning import RTX4090_GIB, SETTINGS, TRAINING, make_plan, nodes  # noqa: E402
 
 DATA = json.loads((ROOT / "tests/data/memory_grid.json").read_text())
 CLEAN = json.loads((ROOT / "tests/data/step_times.json").read_text())["points"]
@@ -213,11 +217,11 @@ def test_a_10_mbit_link_refuses_zero3_and_accepts_ddp_with_accumulation() -> Non
     )
     assert "--limit" not in message
     ddp = tiny_on(0.01, deepspeed="none", **accumulate)
-    assert (ddp["train_args"]["gradient_accumulation_steps"], ddp["deepspeed"]) == (32, "none")
-    scaling = ddp["performance"]["scaling"]
+    assert (ddp.train_args["gradient_accumulation_steps"], ddp.stage.stage) == (32, "none")
+    scaling = ddp.performance["scaling"]
     assert scaling[-1]["efficiency"] >= 0.6
     assert any(
-        line.startswith("Scaling (predicted, per added node): 1 node") for line in ddp["summary"]
+        line.startswith("Scaling (predicted, per added node): 1 node") for line in ddp.summary
     )
     # Without accumulation the same link does not pay for DDP either.
     with pytest.raises(PlanError, match="more accumulation"):
@@ -233,12 +237,12 @@ def test_a_10_mbit_link_refuses_zero3_and_accepts_ddp_with_accumulation() -> Non
 
 def test_a_100_gbit_link_accepts_and_the_override_trains_anyway() -> None:
     fast = tiny_on(100, deepspeed="zero3")
-    assert fast["performance"]["scaling"][-1]["efficiency"] >= 0.6
+    assert fast.performance["scaling"][-1]["efficiency"] >= 0.6
     lora = make_plan(cluster=linked(2, [{}, {}], knob=100.0))
-    assert lora["deepspeed"] == "none"
-    assert lora["performance"]["link_gbps"] == 100
+    assert lora.stage.stage == "none"
+    assert lora.performance["link_gbps"] == 100
     slow = tiny_on(0.01, deepspeed="zero3", allow_slow_scaling=True)
-    assert any("training anyway (-e allow_slow_scaling=true)" in line for line in slow["summary"])
+    assert any("training anyway (-e allow_slow_scaling=true)" in line for line in slow.summary)
 
 
 def test_the_search_refuses_a_full_7b_on_10_gbe_and_names_lora() -> None:
@@ -249,16 +253,16 @@ def test_the_search_refuses_a_full_7b_on_10_gbe_and_names_lora() -> None:
 
 def test_several_nodes_without_a_measured_link_plan_without_communication_and_say_so() -> None:
     plan = make_plan(cluster=nodes(2), finetuning_type="full")
-    text = "\n".join(plan["summary"])
+    text = "\n".join(plan.summary)
     assert "communication not counted" in text
     assert "the go/no-go is not decided: run playbooks/check.yml first" in text
-    assert plan["performance"]["scaling"] == []
+    assert plan.performance["scaling"] == []
 
 
 def test_the_plan_names_the_winner_and_the_runner_up_with_figures() -> None:
     plan = make_plan(cluster=linked(2, [{}, {}], knob=100.0))
-    predicted = next(line for line in plan["summary"] if line.startswith("Predicted"))
-    runner = next(line for line in plan["summary"] if line.startswith("Runner-up"))
+    predicted = next(line for line in plan.summary if line.startswith("Predicted"))
+    runner = next(line for line in plan.summary if line.startswith("Runner-up"))
     assert "deepspeed=none, micro-batch 4 x accumulation 1" in predicted
     assert "tokens/s" in predicted
     assert "MFU" in predicted
@@ -364,12 +368,12 @@ def hybrid_cluster(gbps: float, nproc: int = 8) -> list[dict]:
 
 def test_on_two_nodes_of_eight_4090s_hpz_wins_and_zero3_is_the_runner_up() -> None:
     plan = make_plan(cluster=hybrid_cluster(100), finetuning_type="full")
-    assert plan["deepspeed"] == "zero3_hpz"
-    runner = next(line for line in plan["summary"] if line.startswith("Runner-up"))
+    assert plan.stage.stage == "zero3_hpz"
+    runner = next(line for line in plan.summary if line.startswith("Runner-up"))
     assert runner.startswith("Runner-up: deepspeed=zero3, "), runner
     assert "weights gathered" in runner
-    assert plan["environment"] == {}
-    assert plan["sharded"] is True
+    assert plan.environment == {}
+    assert plan.stage.stage.sharded is True
 
 
 def test_the_go_no_go_weighs_the_hybrid_stages_and_names_hsdp_when_it_refuses() -> None:
@@ -383,7 +387,7 @@ def test_the_go_no_go_weighs_the_hybrid_stages_and_names_hsdp_when_it_refuses() 
 
 def test_hybrid_stages_are_no_candidates_with_one_process_per_node() -> None:
     plan = make_plan(cluster=hybrid_cluster(100, nproc=1), finetuning_type="full")
-    assert plan["deepspeed"] not in ("zero3_hpz", "hsdp")
+    assert plan.stage.stage not in ("zero3_hpz", "hsdp")
     with pytest.raises(PlanError, match="deepspeed=hsdp shards inside a node") as refused:
         hybrid_plan(hybrid_cluster(100, nproc=1), deepspeed="hsdp")
     assert "Ask for deepspeed=fsdp" in str(refused.value)
@@ -393,16 +397,16 @@ def test_hybrid_stages_are_no_candidates_with_one_process_per_node() -> None:
 
 def test_hsdp_asked_for_sets_accelerates_strategy_in_every_ranks_environment() -> None:
     plan = hybrid_plan(hybrid_cluster(100), deepspeed="hsdp")
-    assert plan["deepspeed"] == "hsdp"
-    assert plan["environment"] == {"FSDP_SHARDING_STRATEGY": "HYBRID_SHARD"}
-    args = train_args(plan, "/runs/r")
+    assert plan.stage.stage == "hsdp"
+    assert plan.environment == {"FSDP_SHARDING_STRATEGY": "HYBRID_SHARD"}
+    args = train_args(plan.to_dict(), "/runs/r")
     assert args["fsdp"] == "hybrid_shard auto_wrap"
     assert args["fsdp_config"] == "/runs/r/fsdp_config.json"
     assert "deepspeed" not in args
 
 
 # ---- the lab's go/no-go: CPU nodes planned as GPUs for the prediction only (issue 39) -----------
-def emulated_lab(profile: str = "rtx4090", **extra: Any) -> dict:
+def emulated_lab(profile: str = "rtx4090", **extra: Any) -> Plan:
     """The 2 x 2 CPU lab with cluster_planning_profile, on a 10 Gbit/s link: the tiny model's
     plan (a Qwen2 shape, LoRA)."""
     cluster = nodes(2, nproc=2, accelerator="cpu")
@@ -435,12 +439,12 @@ def test_each_way_out_of_the_emulated_refusal_passes_and_the_run_stays_a_cpu_run
         {"train_args": {"gradient_accumulation_steps": 4}},
     ):
         plan = emulated_lab(**way)
-        assert plan["performance"]["emulated"] == "rtx4090"
-        assert plan["accelerator"] == "cpu"  # what trains: the CPU plan
-        assert plan["deepspeed"] == "none"
-        lines = [x for x in plan["summary"] if x.startswith("Emulated (cluster_planning_profile")]
-        assert any("Predicted (planner/cost.py" in x for x in lines), plan["summary"]
-        assert any("Scaling (predicted, per added node)" in x for x in lines), plan["summary"]
+        assert plan.performance["emulated"] == "rtx4090"
+        assert plan.accelerator == "cpu"  # what trains: the CPU plan
+        assert plan.stage.stage == "none"
+        lines = [x for x in plan.summary if x.startswith("Emulated (cluster_planning_profile")]
+        assert any("Predicted (planner/cost.py" in x for x in lines), plan.summary
+        assert any("Scaling (predicted, per added node)" in x for x in lines), plan.summary
     # Fewer nodes: one node of two processes is planned without a go/no-go (nothing to cross).
     cluster = nodes(1, nproc=2, accelerator="cpu")
     cluster[0]["planning_profile"] = "rtx4090"
@@ -449,7 +453,7 @@ def test_each_way_out_of_the_emulated_refusal_passes_and_the_run_stays_a_cpu_run
         "tiny", cluster=cluster, model_config=SMALL, settings=settings,
         model_params_b=model_params(SMALL) / 1e9,
     )  # fmt: skip
-    assert one["performance"]["emulated"] == "rtx4090"
+    assert one.performance["emulated"] == "rtx4090"
 
 
 def test_an_unknown_or_mixed_planning_profile_is_refused_naming_the_variable() -> None:

@@ -14,7 +14,8 @@ from ansible_collections.llama.cluster.plugins.module_utils.planner.disk import 
     lora_params,
 )
 from ansible_collections.llama.cluster.plugins.module_utils.planner.memory import GIB
-from test_planner import QWEN25_7B_CONFIG, SETTINGS, make_plan, nodes
+
+from tests.support.planning import QWEN25_7B_CONFIG, SETTINGS, make_plan, nodes
 
 RUNS = "/opt/llama-cluster/runs"
 
@@ -25,31 +26,31 @@ def full_7b(**extra: Any) -> dict[str, Any]:
 
 def test_a_plan_keeps_the_latest_three_checkpoints_by_default_and_says_so() -> None:
     plan = make_plan()
-    assert plan["train_args"]["save_total_limit"] == 3
-    assert plan["disk"]["save_total_limit"] == 3
-    assert plan["disk"]["count"] == 4  # three kept, one more while the next is written
-    line = next(s for s in plan["summary"] if s.startswith("Checkpoints"))
+    assert plan.train_args["save_total_limit"] == 3
+    assert plan.disk["save_total_limit"] == 3
+    assert plan.disk["count"] == 4  # three kept, one more while the next is written
+    line = next(s for s in plan.summary if s.startswith("Checkpoints"))
     assert "the latest 3 kept (save_total_limit, the project's default" in line
 
 
 def test_a_users_save_total_limit_is_kept() -> None:
     plan = make_plan(train_args={"save_total_limit": 7})
-    assert plan["train_args"]["save_total_limit"] == 7
-    assert plan["disk"]["count"] == 8
-    line = next(s for s in plan["summary"] if s.startswith("Checkpoints"))
+    assert plan.train_args["save_total_limit"] == 7
+    assert plan.disk["count"] == 8
+    line = next(s for s in plan.summary if s.startswith("Checkpoints"))
     assert "the latest 7 kept (save_total_limit, as set)" in line
 
 
 def test_a_7b_full_fine_tune_checkpoint_is_about_90_gb_with_its_optimizer_state() -> None:
     plan = full_7b()
-    disk = plan["disk"]
-    assert plan["deepspeed"] == "none"
+    disk = plan.disk
+    assert plan.stage.stage == "none"
     # fp32 weights (LLaMA-Factory upcasts trainable weights) 4 + AdamW's two moments 8 bytes.
     assert disk["checkpoint_bytes"] == 12 * 7_620_000_000
     assert 88e9 < disk["checkpoint_bytes"] < 93e9
     assert disk["final_bytes"] == 4 * 7_620_000_000
     assert disk["needed_bytes"] == 4 * disk["checkpoint_bytes"] + disk["final_bytes"]
-    line = next(s for s in plan["summary"] if s.startswith("Disk per node"))
+    line = next(s for s in plan.summary if s.startswith("Disk per node"))
     assert "up to 369.0 GiB (4 checkpoints x 85.2 GiB" in line
     assert "12 bytes x 7.62B parameters" in line
 
@@ -57,7 +58,7 @@ def test_a_7b_full_fine_tune_checkpoint_is_about_90_gb_with_its_optimizer_state(
 def test_zero3_checkpoints_hold_this_nodes_share_of_the_optimizer_shards() -> None:
     two = full_7b(deepspeed="zero3", cluster=nodes(2, 8))
     # bf16 weights 2 + half of the fp32 master weights and moments (12 / 2 nodes) = 8 bytes.
-    assert two["disk"]["checkpoint_bytes"] == 8 * 7_620_000_000
+    assert two.disk["checkpoint_bytes"] == 8 * 7_620_000_000
     shared = make_plan(
         finetuning_type="full",
         model_config=QWEN25_7B_CONFIG,
@@ -65,7 +66,7 @@ def test_zero3_checkpoints_hold_this_nodes_share_of_the_optimizer_shards() -> No
         cluster=nodes(2, 8),
         settings={**SETTINGS, "shared_storage": True},
     )
-    assert shared["disk"]["checkpoint_bytes"] == 14 * 7_620_000_000  # every rank writes there
+    assert shared.disk["checkpoint_bytes"] == 14 * 7_620_000_000  # every rank writes there
 
 
 def test_a_7b_lora_checkpoint_holds_the_adapter_and_its_optimizer_state_only() -> None:
@@ -75,9 +76,9 @@ def test_a_7b_lora_checkpoint_holds_the_adapter_and_its_optimizer_state_only() -
     # is 20.2M), 4 bytes of adapter + 8 of moments each.
     adapter = 8 * (4 * 2 * 3584 + 3 * (3584 + 18944)) * 28
     assert lora_params({"hidden": 3584, "intermediate": 18944, "layers": 28}, 8, "all") == adapter
-    assert plan["disk"]["checkpoint_bytes"] == 12 * adapter
-    assert plan["disk"]["checkpoint_bytes"] < 0.3 * GIB
-    assert plan["disk"]["final_bytes"] == 4 * adapter
+    assert plan.disk["checkpoint_bytes"] == 12 * adapter
+    assert plan.disk["checkpoint_bytes"] < 0.3 * GIB
+    assert plan.disk["final_bytes"] == 4 * adapter
     only_q_v = lora_params(
         {"hidden": 3584, "intermediate": 18944, "layers": 28}, 8, "q_proj,v_proj"
     )
@@ -86,14 +87,14 @@ def test_a_7b_lora_checkpoint_holds_the_adapter_and_its_optimizer_state_only() -
 
 def test_a_short_run_counts_only_the_checkpoints_it_writes() -> None:
     plan = full_7b(train_args={"max_steps": 600})
-    assert plan["disk"]["saves"] == 2  # at step 500 and at the end
-    assert plan["disk"]["count"] == 2
+    assert plan.disk["saves"] == 2  # at step 500 and at the end
+    assert plan.disk["count"] == 2
 
 
 def test_a_node_whose_disk_cannot_hold_the_checkpoints_is_refused_with_the_figures() -> None:
     plan = full_7b()
     checked = disk_budget(
-        plan,
+        plan.to_dict(),
         {"n0": {"free": 500 * GIB, "path": RUNS}, "n1": {"free": 300 * GIB, "path": "/opt"}},
         RUNS,
     )
@@ -114,7 +115,7 @@ def test_a_node_whose_disk_cannot_hold_the_checkpoints_is_refused_with_the_figur
 
 def test_a_node_whose_free_space_is_unknown_is_named_and_not_refused() -> None:
     plan = full_7b()
-    checked = disk_budget(plan, {"n0": {}, "n1": None}, RUNS)
+    checked = disk_budget(plan.to_dict(), {"n0": {}, "n1": None}, RUNS)
     assert checked["ok"]
     assert f"n0: the free space of {RUNS} is unknown" in checked["message"]
     assert "n1: the free space" in checked["message"]
@@ -123,13 +124,13 @@ def test_a_node_whose_free_space_is_unknown_is_named_and_not_refused() -> None:
 
 def test_a_node_with_room_passes_and_a_resumed_run_is_not_checked_again() -> None:
     plan = full_7b()
-    fits = disk_budget(plan, {"n0": {"free": 400 * GIB, "path": RUNS}}, RUNS)
+    fits = disk_budget(plan.to_dict(), {"n0": {"free": 400 * GIB, "path": RUNS}}, RUNS)
     assert fits == {
         "ok": True,
         "short": [],
         "message": f"Disk: n0: 369.0 GiB needed, 400.0 GiB free on {RUNS}.",
     }
-    assert disk_budget({**plan, "resume": True}, {"n0": 0}, RUNS)["ok"]
+    assert disk_budget({**plan.to_dict(), "resume": True}, {"n0": 0}, RUNS)["ok"]
 
 
 def test_the_node_logs_are_counted_beside_the_checkpoints() -> None:
@@ -138,14 +139,14 @@ def test_the_node_logs_are_counted_beside_the_checkpoints() -> None:
     plan = full_7b()
     logs = log_bytes(64, 3)
     assert logs == 256 << 20
-    needed = plan["disk"]["needed_bytes"]
+    needed = plan.disk["needed_bytes"]
     just = {"n0": {"free": needed + (100 << 20), "path": RUNS}}
-    assert disk_budget(plan, just, RUNS)["ok"]
-    checked = disk_budget(plan, just, RUNS, logs)
+    assert disk_budget(plan.to_dict(), just, RUNS)["ok"]
+    checked = disk_budget(plan.to_dict(), just, RUNS, logs)
     assert not checked["ok"]
     assert "369.1 GiB free, 369.3 GiB (4 checkpoints x 85.2 GiB" in checked["message"]
     assert "and the node's logs, rotated, at most 0.2 GiB) needed" in checked["message"]
-    roomy = disk_budget(plan, {"n0": {"free": needed + logs, "path": RUNS}}, RUNS, logs)
+    roomy = disk_budget(plan.to_dict(), {"n0": {"free": needed + logs, "path": RUNS}}, RUNS, logs)
     assert roomy["ok"], roomy
 
 
@@ -153,8 +154,10 @@ def test_the_node_logs_are_counted_beside_the_checkpoints() -> None:
 def test_the_filter_is_the_planners_check(free: int) -> None:
     check = FilterModule().filters()["run_config_disk_budget"]
     plan = make_plan(model_config=QWEN25_7B_CONFIG)
-    assert check(plan, {"n0": free}, RUNS) == disk_budget(plan, {"n0": free}, RUNS)
-    assert check(plan, {"n0": free}, RUNS)["ok"]
-    assert check(plan, {"n0": free}, RUNS, "64", "3") == disk_budget(
-        plan, {"n0": free}, RUNS, log_bytes(64, 3)
+    assert check(plan.to_dict(), {"n0": free}, RUNS) == disk_budget(
+        plan.to_dict(), {"n0": free}, RUNS
+    )
+    assert check(plan.to_dict(), {"n0": free}, RUNS)["ok"]
+    assert check(plan.to_dict(), {"n0": free}, RUNS, "64", "3") == disk_budget(
+        plan.to_dict(), {"n0": free}, RUNS, log_bytes(64, 3)
     )

@@ -15,6 +15,14 @@ import pytest
 import yaml
 from ansible_collections.llama.cluster.plugins.filter.run_config import train_args as rendered
 from ansible_collections.llama.cluster.plugins.module_utils.planner.errors import PlanError
+from ansible_collections.llama.cluster.plugins.module_utils.planner.plan import (
+    BatchPlan,
+    MemoryPlan,
+    Plan,
+    Stage,
+    StageChoice,
+    TechniquePlan,
+)
 from ansible_collections.llama.cluster.plugins.module_utils.planner.schema import (
     DEEPSPEED_STAGES,
     NAMES_FILE,
@@ -71,14 +79,26 @@ def test_every_name_the_project_writes_into_train_yaml_is_llamafactorys():
     for entry in catalogue.values():
         ours |= set(entry.get("train_args") or {})
     ours |= set(Technique(optim="adamw_8bit", liger=True, quant=4).train_args())
-    plan = {
-        "model": {
+    plan = Plan(
+        run_id="r",
+        model_name="m",
+        model={
             "path": "/m", "finetuning_type": "lora", "template": "qwen", "cutoff_len": 8,
             "lora_target": "all", "trust_remote_code": True,
         },
-        "train_args": {}, "datasets": [{"name": "d"}], "deepspeed": "fsdp", "nnodes": 2,
-    }  # fmt: skip
-    ours |= set(rendered(plan, "/r", pretokenize=True))
+        datasets=({"name": "d"},),
+        stage=StageChoice(Stage.FSDP, "asked", ""),
+        technique=TechniquePlan(),
+        batch=BatchPlan(1, 1, 2, 8, 16, False, True, False),
+        memory=MemoryPlan(),
+        accelerator="nvidia",
+        nnodes=2,
+        nproc_per_node=1,
+        world_size=2,
+        ranks={"a": 0, "b": 1},
+        train_args={},
+    )  # fmt: skip
+    ours |= set(rendered(plan.to_dict(), "/r", pretokenize=True))
     assert sorted(ours - NAMES["train_args"]) == []
 
 

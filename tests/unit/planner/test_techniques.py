@@ -6,27 +6,28 @@ from __future__ import annotations
 
 import pytest
 from ansible_collections.llama.cluster.plugins.module_utils.planner.errors import PlanError
-from test_planner import RTX4090_GIB, make_plan, nodes
+
+from tests.support.planning import RTX4090_GIB, make_plan, nodes
 
 A6000_GIB = 47.5  # an RTX A6000 / L40S: 48 GB
 
 
 def technique_line(plan: dict) -> str:
-    return next(x for x in plan["summary"] if x.startswith("Memory-saving technique:"))
+    return next(x for x in plan.summary if x.startswith("Memory-saving technique:"))
 
 
 def test_a_full_fine_tune_on_a_24_gib_card_stays_on_the_gpu_with_8_bit_adamw_and_liger() -> None:
     plan = make_plan("qwen2.5-1.5b", cluster=nodes(1, gib=RTX4090_GIB), finetuning_type="full")
-    args = plan["train_args"]
-    assert plan["deepspeed"] == "none"
+    args = plan.train_args
+    assert plan.stage.stage == "none"
     assert (args["optim"], args["enable_liger_kernel"]) == ("adamw_8bit", True)
-    assert plan["technique"]["numerics_changes"] == ["8-bit AdamW states"]
+    assert plan.technique.numerics_changes == ("8-bit AdamW states",)
     line = technique_line(plan)
     # The change of numerics is printed with its measured figure and the way to forbid it.
     assert "8-bit AdamW + Liger: the fastest predicted candidate that fits" in line
     assert "within 0.0031 of fp32 AdamW's" in line
     assert "-e numerics=exact forbids every numerics change" in line
-    runner = next(x for x in plan["summary"] if x.startswith("Runner-up"))
+    runner = next(x for x in plan.summary if x.startswith("Runner-up"))
     assert "8-bit AdamW" in runner
 
 
@@ -37,10 +38,10 @@ def test_numerics_exact_forbids_the_8_bit_optimizer_and_keeps_fp32_adamw_off_the
         finetuning_type="full",
         numerics="exact",
     )
-    assert plan["deepspeed"] == "zero2_offload"  # ZeRO-Offload: fp32 AdamW on the host
-    assert "optim" not in plan["train_args"]
-    assert plan["technique"]["numerics_changes"] == []
-    assert plan["numerics"] == "exact"
+    assert plan.stage.stage == "zero2_offload"  # ZeRO-Offload: fp32 AdamW on the host
+    assert "optim" not in plan.train_args
+    assert plan.technique.numerics_changes == ()
+    assert plan.technique.numerics == "exact"
     assert "Numerics: exact" in technique_line(plan)
 
 
@@ -51,9 +52,9 @@ def test_deepspeed_none_asked_on_a_24_gib_card_is_planned_with_what_makes_it_fit
         finetuning_type="full",
         deepspeed="none",
     )
-    assert plan["deepspeed"] == "none"
-    assert plan["train_args"]["optim"] == "adamw_8bit"
-    assert plan["memory_estimate_gib"] <= plan["memory_budget_gib"]
+    assert plan.stage.stage == "none"
+    assert plan.train_args["optim"] == "adamw_8bit"
+    assert plan.memory.estimate_gib <= plan.memory.budget_gib
 
 
 def test_deepspeed_none_with_numerics_exact_is_refused_with_the_way_out() -> None:
@@ -78,10 +79,10 @@ def test_an_optimizer_the_user_sets_is_kept_and_planned_for() -> None:
         finetuning_type="full",
         train_args={"optim": "adamw_torch", "enable_liger_kernel": False},
     )
-    assert plan["train_args"]["optim"] == "adamw_torch"
-    assert plan["train_args"]["enable_liger_kernel"] is False
-    assert plan["technique"]["label"] == "none"
-    assert plan["deepspeed"] != "none"  # fp32 AdamW does not fit the GPU without sharding
+    assert plan.train_args["optim"] == "adamw_torch"
+    assert plan.train_args["enable_liger_kernel"] is False
+    assert plan.technique.label == "none"
+    assert plan.stage.stage != "none"  # fp32 AdamW does not fit the GPU without sharding
 
 
 def test_nodes_without_bitsandbytes_plan_without_8_bit_adamw_and_say_so() -> None:
@@ -90,7 +91,7 @@ def test_nodes_without_bitsandbytes_plan_without_8_bit_adamw_and_say_so() -> Non
         cluster=nodes(1, gib=RTX4090_GIB, packages={"liger-kernel": "0.8.5"}),
         finetuning_type="full",
     )
-    assert "optim" not in plan["train_args"]
+    assert "optim" not in plan.train_args
     assert "Not considered: what needs bitsandbytes" in technique_line(plan)
 
 
@@ -98,9 +99,9 @@ def test_liger_is_tried_only_where_the_plain_run_must_recompute() -> None:
     # On 141 GiB the 1.5B fits without checkpointing: its plan is the one measured at 0.99 of an
     # expert's (BENCHMARKS.md section 7), with no technique.
     plan = make_plan("qwen2.5-1.5b", finetuning_type="full")
-    args = plan["train_args"]
-    assert plan["deepspeed"] == "none"
-    assert plan["technique"]["label"] == "none"
+    args = plan.train_args
+    assert plan.stage.stage == "none"
+    assert plan.technique.label == "none"
     assert (args["per_device_train_batch_size"], args["gradient_accumulation_steps"]) == (4, 1)
     assert args["disable_gradient_checkpointing"] is True
     assert "enable_liger_kernel" not in args
@@ -109,8 +110,8 @@ def test_liger_is_tried_only_where_the_plain_run_must_recompute() -> None:
 
 def test_a_4b_full_fine_tune_on_48_gib_trains_without_deepspeed() -> None:
     plan = make_plan("qwen3-4b", cluster=nodes(1, gib=A6000_GIB), finetuning_type="full")
-    assert plan["deepspeed"] == "none"
-    assert plan["train_args"]["optim"] == "adamw_8bit"
+    assert plan.stage.stage == "none"
+    assert plan.train_args["optim"] == "adamw_8bit"
 
 
 # -- QLoRA -----------------------------------------------------------------------------------
@@ -120,12 +121,12 @@ def test_qlora_asked_for_is_planned_on_a_24_gib_card() -> None:
     plan = make_plan(
         "qwen2.5-14b", cluster=nodes(1, gib=RTX4090_GIB), finetuning_type="lora", quantization_bit=4
     )
-    args = plan["train_args"]
-    assert plan["deepspeed"] == "none"
+    args = plan.train_args
+    assert plan.stage.stage == "none"
     assert (args["quantization_bit"], args["quantization_method"]) == (4, "bnb")
     assert args["double_quantization"] is True
-    assert plan["technique"]["numerics_changes"] == ["4-bit frozen weights"]
-    assert plan["memory_estimate_gib"] <= plan["memory_budget_gib"]
+    assert plan.technique.numerics_changes == ("4-bit frozen weights",)
+    assert plan.memory.estimate_gib <= plan.memory.budget_gib
 
 
 def test_qlora_asked_in_train_args_is_planned_as_qlora() -> None:
@@ -135,16 +136,16 @@ def test_qlora_asked_in_train_args_is_planned_as_qlora() -> None:
         finetuning_type="lora",
         train_args={"quantization_bit": 4},
     )
-    assert plan["technique"]["quantization_bit"] == 4
+    assert plan.technique.quantization_bit == 4
 
 
 def test_the_planner_chooses_qlora_where_bf16_weights_fit_only_offloaded_and_says_so() -> None:
     plan = make_plan("qwen2.5-14b", cluster=nodes(1, gib=RTX4090_GIB), finetuning_type="lora")
-    assert plan["deepspeed"] == "none"
-    assert plan["train_args"]["quantization_bit"] == 4
+    assert plan.stage.stage == "none"
+    assert plan.train_args["quantization_bit"] == 4
     line = technique_line(plan)
     assert "chosen by the planner because the bf16 weights fit the GPU with no stage" in line
-    runner = next(x for x in plan["summary"] if x.startswith("Runner-up"))
+    runner = next(x for x in plan.summary if x.startswith("Runner-up"))
     assert "zero3_offload" in runner
 
 
@@ -152,8 +153,8 @@ def test_numerics_exact_keeps_a_14b_lora_in_bf16_offloaded() -> None:
     plan = make_plan(
         "qwen2.5-14b", cluster=nodes(1, gib=RTX4090_GIB), finetuning_type="lora", numerics="exact"
     )
-    assert plan["deepspeed"] == "zero3_offload"
-    assert "quantization_bit" not in plan["train_args"]
+    assert plan.stage.stage == "zero3_offload"
+    assert "quantization_bit" not in plan.train_args
 
 
 @pytest.mark.parametrize(

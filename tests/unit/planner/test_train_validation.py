@@ -11,7 +11,6 @@ planner finds them as it finds cached facts and contacts no node.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,71 +19,14 @@ from ansible_collections.llama.cluster.plugins.action.run_plan import dataset_fi
 from ansible_collections.llama.cluster.plugins.filter import preflight
 from ansible_collections.llama.cluster.plugins.module_utils.llama_job.resume import resume_point
 
+from tests.support.playbooks import _fails_before_nodes, _inventory, _node, _train
+
 ROOT = Path(__file__).resolve().parents[3]
-ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
-
-
-def _node(address: str, gpu_mib: list[int] | None = None, **extra: object) -> str:
-    settings: dict[str, object] = {
-        "ansible_host": address,
-        "cluster_accelerator": "cpu",
-        "nproc_per_node": 1,
-    }
-    if gpu_mib is not None:
-        gpus = [{"index": i, "memory_mib": mib} for i, mib in enumerate(gpu_mib)]
-        settings["cluster_accelerator"] = "nvidia"
-        settings["ansible_local"] = {"llama_host": {"gpus": gpus, "gpu_count": len(gpus)}}
-    settings.update(extra)
-    return json.dumps(settings)
-
-
-def _inventory(tmp: Path, master: dict[str, str], workers: dict[str, str]) -> Path:
-    path = tmp / "inventory.yml"
-    lines = ["all:", "  children:", "    cluster:", "      children:"]
-    lines += ["        master:", "          hosts:"] + [
-        f"            {h}: {v}" for h, v in master.items()
-    ]
-    if workers:
-        lines += ["        workers:", "          hosts:"] + [
-            f"            {h}: {v}" for h, v in workers.items()
-        ]
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 @pytest.fixture
 def two_nodes(tmp_path: Path) -> Path:
     return _inventory(tmp_path, {"a": _node("192.0.2.1")}, {"b": _node("192.0.2.2")})
-
-
-def _train(inventory: Path, *extra: str, playbook: str = "train.yml") -> tuple[int, str]:
-    done = subprocess.run(
-        # The runs train.yml plans are claimed (made) under the test's own directory.
-        [
-            *(str(ANSIBLE_PLAYBOOK), "-i", str(inventory), playbook),
-            *("-e", f"controller_runs_dir={inventory.parent / 'runs'}", *extra),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-        env={
-            "ANSIBLE_NOCOLOR": "1",
-            "PATH": "/usr/bin:/bin",
-            "HOME": str(inventory.parent),
-            # A fact cache of the test's own: no facts from other runs, none left behind.
-            "ANSIBLE_CACHE_PLUGIN_CONNECTION": str(inventory.parent / "facts"),
-        },
-    )
-    return done.returncode, " ".join((done.stdout + done.stderr).split())
-
-
-def _fails_before_nodes(inventory: Path, *extra: str) -> str:
-    rc, out = _train(inventory, *extra)
-    assert rc != 0, out[-2000:]
-    assert "Train | Prepare every node" not in out, "a node was contacted"
-    assert "UNREACHABLE" not in out
-    return out
 
 
 def test_unknown_model_lists_the_known_ones(two_nodes: Path) -> None:

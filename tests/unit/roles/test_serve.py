@@ -34,7 +34,7 @@ from ansible_collections.llama.cluster.plugins.filter.tracking import (
     tracking_train_args,
 )
 
-from tests.unit.planner.test_train_validation import _inventory, _node, _train
+from tests.support.playbooks import _inventory, _node, _train
 
 CATALOGUE = {
     "tiny": {"path": "/opt/llama-cluster/models/tiny", "template": "qwen"},

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,10 @@ import pytest
 import yaml
 from ansible_collections.llama.cluster.plugins.filter.run_config import train_yaml
 from ansible_collections.llama.cluster.plugins.filter.serve import ServeError, serve_request
+from ansible_collections.llama.cluster.plugins.module_utils.planner.plan import Stage
 
 from llama_runner.extravars import unsafe_yaml
+from tests.support.planning import make_plan, nodes
 
 ROOT = Path(__file__).resolve().parents[3]
 ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
@@ -61,8 +64,8 @@ def _variables(value: str) -> dict[str, Any]:
         "export_model": {"path": value, "template": value, "trust_remote_code": False},
         "export_dir": value, "export_size": 5,
         "run_config_id": value, "run_config_node_rank": 1, "run_config_nnodes": 2,
-        "run_config_dir": value, "run_config_deepspeed": "fsdp",
-        "__run_config_ds_stages": ["zero2"], "run_config_accelerator": "nvidia",
+        "run_config_dir": value, "run_config_stage": Stage.FSDP.properties(),
+        "run_config_accelerator": "nvidia",
         "run_config_master_addr": value, "run_config_master_port": 29500,
         "run_config_world_size": 16, "run_config_train_args": {"bf16": True},
         "run_config_layer_class": value,
@@ -133,10 +136,9 @@ def test_every_template_parses_back_to_the_values_given(
 
 @pytest.mark.parametrize("value", HOSTILE, ids=[repr(v)[:24] for v in HOSTILE])
 def test_train_yaml_parses_back_to_the_values_given(value: str) -> None:
-    plan = {
-        "run_id": "train-1", "nnodes": 2, "deepspeed": "none", "effective_batch": 8,
-        "decisions": {"batch": value, "checkpointing": value},
-    }  # fmt: skip
+    planned = make_plan("qwen2.5-0.5b", cluster=nodes(2))
+    batch = replace(planned.batch, why=value, checkpointing_why=value)
+    plan = replace(planned, batch=batch).to_dict()
     args = {"template": value, "model_name_or_path": value, "per_device_train_batch_size": 2,
             "disable_gradient_checkpointing": False, "report_to": [value]}  # fmt: skip
     parsed = yaml.safe_load(train_yaml(args, plan, "/opt/run", "10.0.0.1", 29500))

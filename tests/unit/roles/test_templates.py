@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 import yaml
 from ansible_collections.llama.cluster.plugins.filter.run_config import run_files
+from ansible_collections.llama.cluster.plugins.module_utils.planner import cost
+from ansible_collections.llama.cluster.plugins.module_utils.planner.plan import Stage
 
 ROOT = Path(__file__).resolve().parents[3]
 TRAIN_PYTHON = Path(
@@ -28,10 +30,8 @@ TRAIN_PYTHON = Path(
 MODELS = sorted(
     yaml.safe_load((ROOT / "group_vars/all/models.yml").read_text())["models_catalogue"]
 )
-STAGES = [
-    *("none", "zero0", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "fsdp"),
-    *("zero3_hpz", "hsdp"),  # issue 39: hybrid, on these 2 nodes of 8 processes
-]
+# Every stage; the hybrid ones (issue 39) on these 2 nodes of 8 processes.
+STAGES = [stage.value for stage in Stage]
 # Every stage for a full fine-tune and a LoRA one; every other model (its template, LoRA target,
 # layer class) at ZeRO-2, which test_train_yaml_reads_like_a_hand_written_file reads. Rendering
 # is a playbook run per model, the slowest part of the suite: this keeps it to 29 renders.
@@ -103,7 +103,9 @@ def _render(
             "-e",
             f"render_root={out / model}",
             "-e",
-            json.dumps(extra or {"stages": [s for m, s in PAIRS if m == model]}),
+            json.dumps(
+                extra or {"stages": [Stage(s).properties() for m, s in PAIRS if m == model]}
+            ),
             "-e",
             json.dumps(_large_demo(out, model)),
         ],
@@ -231,7 +233,7 @@ def test_the_techniques_planned_for_a_24_gib_card_are_accepted_by_llamafactory(
     else:
         assert (config["quantization_bit"], config["quantization_method"]) == (4, "bnb")
         assert config["finetuning_type"] == "lora"
-    assert plan["memory_estimate_gib"] <= plan["memory_budget_gib"] < CARD_MIB / 1024
+    assert plan["memory"]["estimate_gib"] <= plan["memory"]["budget_gib"] < CARD_MIB / 1024
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -264,9 +266,9 @@ def test_accelerate_config_gives_each_node_its_rank(rendered: dict) -> None:
     assert config["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] == "Qwen2DecoderLayer"
 
 
-# templates/deepspeed.json.j2 renders, for every ZeRO stage, what the four per-stage templates
-# it replaced rendered (deepspeed_zero{0,2,3,3_offload}.json.j2, compared file by file before they
-# were deleted), with the run's bucket size and overlap setting.
+# templates/deepspeed.json.j2 renders, for every DeepSpeed stage, its ZeRO stage's section of
+# roles/run_config/vars/main.yml (read here as the role's data), with what the stage offloads
+# and ZeRO++ hpZ's partition, the run's bucket size and overlap setting.
 
 # What every stage shares: transformers fills the "auto" values from train.yaml.
 COMMON = {
@@ -285,53 +287,26 @@ COMMON = {
         "min_loss_scale": 1,
     },
 }
+ROLE_VARS = yaml.safe_load((ROOT / "roles/run_config/vars/main.yml").read_text())
+DEEPSPEED_STAGES = [stage for stage in Stage if stage.zero is not None]
 
 
-def zero3(overlap: bool) -> dict[str, Any]:
-    return {
-        "stage": 3,
-        "overlap_comm": overlap,
-        "contiguous_gradients": True,
-        "reduce_bucket_size": "auto",
-        "stage3_prefetch_bucket_size": "auto",
-        "stage3_param_persistence_threshold": "auto",
-        "sub_group_size": 1000000000,
-        "stage3_max_live_parameters": 1000000000,
-        "stage3_max_reuse_distance": 1000000000,
-        "stage3_gather_16bit_weights_on_model_save": True,
+def expected(stage: Stage, bucket: int, overlap: bool, nproc: int) -> dict[str, Any]:
+    """The role's section for the stage, its templated values as they render."""
+    values = {
+        "{{ run_config_ds_bucket_size | int }}": bucket,
+        "{{ run_config_ds_overlap_comm | bool }}": overlap,
+        "{{ run_config_plan.nproc_per_node | int }}": nproc,
     }
-
-
-def expected(stage: str, bucket: int, overlap: bool) -> dict[str, Any]:
-    """The old per-stage template's output for these settings."""
-    offload = {"device": "cpu", "pin_memory": True}
-    zero2 = {
-        "stage": 2,
-        "allgather_partitions": True,
-        "allgather_bucket_size": bucket,
-        "reduce_scatter": True,
-        "reduce_bucket_size": bucket,
-        "overlap_comm": overlap,
-        "contiguous_gradients": True,
-        "round_robin_gradients": True,
-    }
-    zero = {
-        "zero0": {"stage": 0, "reduce_bucket_size": bucket},
-        # New with the cost model (no per-stage template had it): stage 1.
-        "zero1": {
-            "stage": 1,
-            "reduce_scatter": True,
-            "reduce_bucket_size": bucket,
-            "allgather_bucket_size": bucket,
-        },
-        "zero2": zero2,
-        # New with issue 38 (ZeRO-Offload proper): stage 2 with the optimizer on the host.
-        "zero2_offload": {**zero2, "offload_optimizer": offload},
-        "zero3": zero3(overlap),
-        # New with issue 39 (ZeRO++ hpZ): stage 3 with a node's processes as the partition.
-        "zero3_hpz": {**zero3(overlap), "zero_hpz_partition_size": 4},
-        "zero3_offload": {**zero3(overlap), "offload_optimizer": offload, "offload_param": offload},
-    }[stage]
+    zero = dict(ROLE_VARS["__run_config_ds_zero"][stage.zero])
+    if stage.offload_optimizer:
+        zero.update(ROLE_VARS["__run_config_ds_offload_optimizer"])
+    if stage.offload_params:
+        zero.update(ROLE_VARS["__run_config_ds_offload_params"])
+    if stage.hybrid:
+        zero.update(ROLE_VARS["__run_config_ds_hybrid"])
+    zero = {key: values.get(value, value) if isinstance(value, str) else value
+            for key, value in zero.items()}  # fmt: skip
     return {**COMMON, "zero_optimization": zero}
 
 
@@ -354,7 +329,8 @@ def deepspeed_rendered(
                     "render_root": str(out),
                     "run_config_ds_bucket_size": bucket,
                     "run_config_ds_overlap_comm": overlap,
-                    "run_config_plan": {"nproc_per_node": 4},
+                    "render_nproc": 4,
+                    "stages": [stage.properties() for stage in DEEPSPEED_STAGES],
                 }
             ),
         ],
@@ -367,14 +343,16 @@ def deepspeed_rendered(
     return out, bucket, overlap
 
 
-@pytest.mark.parametrize(
-    "stage", ["zero0", "zero1", "zero2", "zero2_offload", "zero3", "zero3_hpz", "zero3_offload"]
-)
-def test_one_template_renders_what_the_per_stage_templates_did(
-    deepspeed_rendered: tuple[Path, int, bool], stage: str
+@pytest.mark.parametrize("stage", DEEPSPEED_STAGES, ids=str)
+def test_one_template_renders_each_stage_from_its_zero_section_and_what_it_offloads(
+    deepspeed_rendered: tuple[Path, int, bool], stage: Stage
 ) -> None:
     out, bucket, overlap = deepspeed_rendered
-    assert json.loads((out / f"{stage}.json").read_text()) == expected(stage, bucket, overlap)
+    rendered = json.loads((out / f"{stage}.json").read_text())
+    assert rendered == expected(stage, bucket, overlap, 4)
+    assert rendered["zero_optimization"]["stage"] == stage.zero
+    assert ("offload_optimizer" in rendered["zero_optimization"]) == stage.offload_optimizer
+    assert ("offload_param" in rendered["zero_optimization"]) == stage.offload_params
 
 
 def test_every_deepspeed_stage_has_its_data(deepspeed_rendered: tuple[Path, int, bool]) -> None:
@@ -383,6 +361,11 @@ def test_every_deepspeed_stage_has_its_data(deepspeed_rendered: tuple[Path, int,
     assert stages == [
         *("zero0", "zero1", "zero2", "zero2_offload", "zero3", "zero3_hpz", "zero3_offload")
     ]
+    # The cost model's ZeRO-3 reuse distance and bucket size are the role's (planner/cost.py).
+    zero3 = ROLE_VARS["__run_config_ds_zero"][3]
+    assert zero3["stage3_max_reuse_distance"] == cost.ZERO3_REUSE_DISTANCE
+    defaults = yaml.safe_load((ROOT / "roles/run_config/defaults/main.yml").read_text())
+    assert defaults["run_config_ds_bucket_size"] == cost.COMMUNICATION["ds_bucket_bytes"]
 
 
 # -- The run_config_files filter, which feeds llama_files (tests/unit/roles/test_llama_files.py)

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Mapping
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,7 @@ from ansible_collections.llama.cluster.plugins.module_utils.planner.nodes import
     describe_nodes,
     usage_by_host,
 )
+from ansible_collections.llama.cluster.plugins.module_utils.planner.plan import Plan, Request
 from ansible_collections.llama.cluster.plugins.module_utils.planner.schema import (
     DEEPSPEED_STAGES,
     check_request,
@@ -247,6 +249,8 @@ class ActionModule(ActionBase):
         self._vars = task_vars
         self._changed = False
         try:
+            if asked["saved"]:
+                return {**result, "changed": False, "plan": self._saved(asked)}
             plan, notes, checked = self._plan(asked)
         except MasterRead as read:
             return {**result, "changed": self._changed, read.key: read.value}
@@ -258,10 +262,21 @@ class ActionModule(ActionBase):
         return {
             **result,
             "changed": self._changed,
-            "plan": plan,
+            "plan": plan.to_dict(),
             "notes": notes,
             "checked": checked,
         }
+
+    @staticmethod
+    def _saved(asked: Mapping[str, Any]) -> dict[str, Any]:
+        """A run's plan.json read back (of any version: Plan.from_dict), resumed where asked."""
+        try:
+            saved = Plan.from_dict(json.loads(asked["saved"]))
+        except (ValueError, KeyError, TypeError) as err:
+            raise Refused(f"The run's plan.json cannot be read as a plan: {err!r}.") from None
+        if asked["resume"]:
+            saved = saved.resumed(asked["max_restarts"])
+        return saved.to_dict()
 
     def _var(self, name: str, default: Any = None) -> Any:  # noqa: ANN401 - any variable
         """A variable of the play, templated (default when the play has none)."""
@@ -271,7 +286,7 @@ class ActionModule(ActionBase):
             return default
         return self._templar.template(self._vars[name])
 
-    def _plan(self, asked: dict[str, Any]) -> tuple[dict[str, Any], list[str], dict[str, Any]]:
+    def _plan(self, asked: dict[str, Any]) -> tuple[Plan, list[str], dict[str, Any]]:
         """The plan, the lines to show and what was checked (for O(replan)); raises Refused or
         the planner's error."""
         settings = {key: self._var(name) for key, name in TRAINING_SETTINGS.items()}
@@ -286,27 +301,23 @@ class ActionModule(ActionBase):
         ranks = cluster_ranks(groups, hostvars)
         nprocs = {host: node_nproc(hostvars[host]) for host in ranks}
         plan = assemble(
-            request,
+            Request.of(request),
             model=checked["model"],
             nodes=describe_nodes(ranks, hostvars, nprocs, usage_by_host(asked["node_usage"])),
             ranks=ranks,
             datasets=checked["datasets"],
             settings=settings,
         )
-        if checked["staging"] is not None:
-            plan["model_stage"] = checked["staging"]
+        plan = replace(plan, model_stage=checked["staging"])
         if self._task.check_mode:
             # Nothing is claimed: the id is what a run started now would be called.
-            planned = f"Run {plan['run_id']}:"
-            plan["summary"] = [
-                line.replace(planned, "Plan only (--check, no run started):")
-                for line in plan["summary"]
-            ]
+            plan = self._renamed(plan, "Plan only (--check, no run started)", plan.run_id)
         elif checked.get("run_id"):
-            self._rename(plan, checked["run_id"])
-        elif asked["claim_run_id"] and not plan["resume"]:
-            self._rename(plan, self._claim(request))
-        return plan, checked["notes"] + plan["summary"], {**checked, "run_id": plan["run_id"]}
+            plan = self._renamed(plan, f"Run {checked['run_id']}", checked["run_id"])
+        elif asked["claim_run_id"]:
+            run_id = self._claim(request)
+            plan = self._renamed(plan, f"Run {run_id}", run_id)
+        return plan, checked["notes"] + list(plan.summary), {**checked, "run_id": plan.run_id}
 
     def _check(
         self,
@@ -348,10 +359,12 @@ class ActionModule(ActionBase):
         return claim_run_id(runs, request["timestamp"], request["model"])
 
     @staticmethod
-    def _rename(plan: dict[str, Any], run_id: str) -> None:
-        """The run's id set in the plan and in its summary."""
-        planned, plan["run_id"] = plan["run_id"], run_id
-        plan["summary"] = [line.replace(planned, run_id) for line in plan["summary"]]
+    def _renamed(plan: Plan, said: str, run_id: str) -> Plan:
+        """The plan with its run's id, and its first line saying `said` instead of the id the
+        planner made up."""
+        planned = f"Run {plan.run_id}"
+        summary = tuple(line.replace(planned, said, 1) for line in plan.summary)
+        return replace(plan, run_id=run_id, summary=summary)
 
     def _request(self, asked: Mapping[str, Any]) -> dict[str, Any]:
         """What the user asked for, as check_request and resolve_model read it."""

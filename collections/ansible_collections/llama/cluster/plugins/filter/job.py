@@ -9,7 +9,7 @@ and return its JSON (`JobStatus.to_dict`), unchanged.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -25,10 +25,8 @@ from ansible_collections.llama.cluster.plugins.module_utils.llama_job.protocol i
     ranks_text,
 )
 from ansible_collections.llama.cluster.plugins.module_utils.llama_job.resume import resume_point
-from ansible_collections.llama.cluster.plugins.module_utils.trainer_log import (
-    log_figures,
-    parse_records,
-)
+from ansible_collections.llama.cluster.plugins.module_utils.planner.plan import Plan, RunReport
+from ansible_collections.llama.cluster.plugins.module_utils.trainer_log import brought_back
 
 
 def job_status_of(
@@ -129,11 +127,6 @@ def job_found_files(
         else:
             found[host] = [dict(f) for f in result.get("files") or [] if isinstance(f, Mapping)]
     return found
-
-
-def job_trainer_log(text: str) -> dict[str, Any]:
-    """What a trainer_log.jsonl's text says, from its last attempt's records (log_figures)."""
-    return log_figures(parse_records(str(text or "")))
 
 
 def resume_command(run_id: str) -> str:
@@ -309,10 +302,9 @@ def job_status_lines(data: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def job_ranks_line(data: Mapping[str, Any]) -> str:
+def ranks_line(status: JobStatus) -> str:
     """'node1: ranks 0-1 (node rank 0); node2: ranks 2-3 (node rank 1)': every node's processes
     by their global ranks, in node rank order ("" where the job does not name them)."""
-    status = JobStatus.from_dict(data)
     nodes = sorted(
         ((host, node) for host, node in status.nodes.items() if node.ranks),
         key=lambda item: (item[1].rank is None, item[1].rank or 0, item[0]),
@@ -322,6 +314,43 @@ def job_ranks_line(data: Mapping[str, Any]) -> str:
         + (f" (node rank {node.rank})" if node.rank is not None else "")
         for host, node in nodes
     )
+
+
+def _checkpoint_step(path: str) -> tuple[int, str]:
+    number = path.rsplit("-", 1)[-1]
+    return (int(number) if number.isdigit() else -1, path)
+
+
+def job_run_report(
+    plan: Mapping[str, Any],
+    data: Mapping[str, Any] | None,
+    controller_dir: str,
+    run_dir: str,
+    *,
+    checkpoints: Sequence[str] = (),
+    master: str = "the master",
+) -> dict[str, Any]:
+    """How a finished run went (planner/plan.py's RunReport: the plan's choices, the job's ranks,
+    what came back to controller_dir, the checkpoints on the master in step order) as `report`,
+    and the lines the play prints as `lines`."""
+    planned = Plan.from_dict(plan)
+    status = JobStatus.from_dict(data or {"job": planned.run_id, "phase": "unknown"})
+    report = RunReport.of(
+        planned,
+        ranks={host: node.ranks for host, node in status.nodes.items()},
+        output_dir=f"{run_dir}/output",
+        checkpoints=tuple(sorted(checkpoints, key=_checkpoint_step)),
+        **brought_back(controller_dir),
+    )
+    failed = [restart.after.node if restart.after else "?" for restart in status.restarts]
+    lines = report.lines(
+        ranks_line(status),
+        master,
+        adapter=planned.model.get("finetuning_type") == "lora",
+        failed=failed,
+        allowed=status.max_restarts,
+    )
+    return {"report": report.to_dict(), "lines": lines}
 
 
 # A line of a node's log that one of torchrun's local ranks printed: its prefix carries the
@@ -364,9 +393,8 @@ class FilterModule:
             "job_failure_message": job_failure_message,
             "job_found_files": job_found_files,
             "job_resume": job_resume,
-            "job_trainer_log": job_trainer_log,
             "job_run_summary": job_run_summary,
             "job_status_lines": job_status_lines,
-            "job_ranks_line": job_ranks_line,
+            "job_run_report": job_run_report,
             "job_rank_logs": job_rank_logs,
         }

@@ -17,17 +17,16 @@ from ansible_collections.llama.cluster.plugins.module_utils.planner.disk import 
 from ansible_collections.llama.cluster.plugins.module_utils.planner.nodes import (
     hosts_without_gpu_facts,
 )
-from ansible_collections.llama.cluster.plugins.module_utils.planner.schema import (
-    DEEPSPEED_STAGES,
-    LORA_KEYS,
-)
+from ansible_collections.llama.cluster.plugins.module_utils.planner.plan import Plan, Stage
+from ansible_collections.llama.cluster.plugins.module_utils.planner.schema import LORA_KEYS
 
-# The stages that train with a ds_config.json (the role's are the keys of its vars/main.yml).
-DEEPSPEED_FILES = tuple(stage for stage in DEEPSPEED_STAGES if stage.startswith("zero"))
-# The stages that train with FSDP (fsdp_config.json), and train.yaml's fsdp for each: hsdp shards
-# inside a node and replicates across nodes (FSDP's HYBRID_SHARD: its shard group is the GPUs a
-# node's ranks see, which train.yml limits to them).
-FSDP_STAGES = {"fsdp": "full_shard auto_wrap", "hsdp": "hybrid_shard auto_wrap"}
+
+def fsdp_option(stage: Stage) -> str:
+    """train.yaml's fsdp for a stage FSDP trains: the hybrid one shards inside a node and
+    replicates across nodes (FSDP's HYBRID_SHARD: its shard group is the GPUs a node's ranks
+    see, which train.yml limits to them)."""
+    return f"{'hybrid' if stage.hybrid else 'full'}_shard auto_wrap"
+
 
 # train.yaml's sections, in order; an argument in none of them goes under "other settings".
 TRAIN_YAML_SECTIONS = [
@@ -87,22 +86,15 @@ TRAIN_YAML_COMMENTS = {
     "neat_packing": "true needs flash-attn 2 (flash_attn: fa2)",
     "ddp_find_unused_parameters": ("every parameter is used: no search for unused ones per step"),
 }
-# The planner's reasons (plan.decisions) shown beside the value it chose.
-DECISION_COMMENTS = {
-    "disable_gradient_checkpointing": "checkpointing",
-    "torch_compile": "torch_compile",
-    "per_device_train_batch_size": "batch",
-}
 # A text written bare in YAML; anything else (and YAML's words for booleans and null) as JSON.
 BARE = re.compile(r"^[A-Za-z/][A-Za-z0-9_./,:+-]*$")
 YAML_WORDS = ("true", "false", "yes", "no", "on", "off", "null", "none")
 
 
 def train_args(
-    plan: Mapping[str, Any],
+    data: Mapping[str, Any],
     run_dir: str,
     shared_storage: bool = False,
-    deepspeed_stages: Sequence[str] = DEEPSPEED_FILES,
     pretokenize: bool = False,
 ) -> dict[str, Any]:
     """What train.yaml holds: the plan's training arguments plus the model, data and paths.
@@ -112,15 +104,16 @@ def train_args(
     <run>/tokenized (roles/run_config/tasks/tokenize.yml makes it); never for streaming
     datasets, which LLaMA-Factory cannot save.
     """
-    model = plan["model"]
+    plan = Plan.from_dict(data)
+    model, stage = plan.model, plan.stage.stage
     lora = model["finetuning_type"] == "lora"
-    args = {k: v for k, v in plan["train_args"].items() if lora or k not in LORA_KEYS}
+    args = {k: v for k, v in plan.train_args.items() if lora or k not in LORA_KEYS}
     args.update(
         {
             "model_name_or_path": model["path"],
             "do_train": True,
             "finetuning_type": model["finetuning_type"],
-            "dataset": ",".join(d["name"] for d in plan["datasets"]),
+            "dataset": ",".join(d["name"] for d in plan.datasets),
             "dataset_dir": f"{run_dir}/data",
             "template": model["template"],
             "cutoff_len": int(model["cutoff_len"]),
@@ -131,14 +124,14 @@ def train_args(
         args["lora_target"] = model["lora_target"]
     if model.get("trust_remote_code"):
         args["trust_remote_code"] = True
-    if plan["deepspeed"] in deepspeed_stages:
-        args["deepspeed"] = f"{run_dir}/ds_config.json"
-    if plan["deepspeed"] in FSDP_STAGES:
-        args["fsdp"] = FSDP_STAGES[plan["deepspeed"]]
-        args["fsdp_config"] = f"{run_dir}/fsdp_config.json"
+    if stage.zero is not None:
+        args["deepspeed"] = f"{run_dir}/{stage.config}"
+    if stage.fsdp:
+        args["fsdp"] = fsdp_option(stage)
+        args["fsdp_config"] = f"{run_dir}/{stage.config}"
     if pretokenize and not args.get("streaming"):
         args["tokenized_path"] = f"{run_dir}/tokenized"
-    if int(plan["nnodes"]) > 1 and not shared_storage:
+    if plan.nnodes > 1 and not shared_storage:
         args["save_on_each_node"] = True
     return args
 
@@ -155,33 +148,36 @@ def _yaml_value(value: object) -> str:
 
 def train_yaml(
     args: Mapping[str, Any],
-    plan: Mapping[str, Any],
+    plan_data: Mapping[str, Any],
     run_dir: str,
     master_addr: str,
     master_port: int | str,
 ) -> str:
     """train.yaml's text: `args` (train_args) in sections, each value with why it is so, under a
     header that says how every node launches it."""
-    nnodes = int(plan["nnodes"])
+    plan = Plan.from_dict(plan_data)
+    nnodes, stage, batch = plan.nnodes, plan.stage.stage, plan.batch
     comments = {
         **TRAIN_YAML_COMMENTS,
-        "deepspeed": f"ZeRO stage chosen for this run: {plan['deepspeed']}",
+        "deepspeed": f"ZeRO stage chosen for this run: {stage}",
         **(
             {
                 "fsdp": "shard inside each node, replicate across nodes (the environment's "
                 "FSDP_SHARDING_STRATEGY=HYBRID_SHARD makes accelerate do it)"
             }
-            if plan["deepspeed"] == "hsdp"
+            if stage.fsdp and stage.hybrid
             else {}
         ),
         "gradient_accumulation_steps": (
-            f"effective batch = per-device x this x world size = {plan['effective_batch']}"
+            f"effective batch = per-device x this x world size = {batch.effective}"
         ),
+        # The planner's reasons, beside the value it chose.
+        "disable_gradient_checkpointing": batch.checkpointing_why,
+        "torch_compile": batch.compile_why,
+        "per_device_train_batch_size": batch.why,
     }
-    decisions = plan.get("decisions") or {}
-    comments.update({key: decisions.get(why, "") for key, why in DECISION_COMMENTS.items()})
     lines = [
-        f"# LLaMA-Factory training configuration, run {plan['run_id']}.",
+        f"# LLaMA-Factory training configuration, run {plan.run_id}.",
         "# Every node runs the same file; the launcher gives each node its rank through the "
         "environment:",
         f"#   FORCE_TORCHRUN=1 NNODES={nnodes} NODE_RANK=<0..{nnodes - 1}> NPROC_PER_NODE=<n> \\",

@@ -133,3 +133,32 @@ def read_tail(path: str, limit: int = TAIL_BYTES) -> str:
     if size > limit:
         text = text.partition("\n")[2]
     return text
+
+
+def brought_back(directory: str) -> dict[str, Any]:
+    """What a run's files brought back to the controller say (logs.yml and train.yml copy rank
+    0's trainer_log.jsonl, all_results.json and training_loss.png into `directory`): the last
+    attempt's final_loss, last_step and tokens_per_s, the trainer's runtime_s, and loss_plot
+    (None where no plot came back)."""
+
+    def text(name: str) -> str:
+        try:
+            return read_tail(os.path.join(directory, name))
+        except OSError:
+            return ""
+
+    figures = log_figures(parse_records(text("trainer_log.jsonl")))
+    try:
+        results = json.loads(text("all_results.json") or "{}")
+    except ValueError:
+        results = {}
+    runtime = results.get("train_runtime") if isinstance(results, dict) else None
+    plot = os.path.join(directory, "training_loss.png")
+    return {
+        "runtime_s": float(runtime) if isinstance(runtime, int | float) else None,
+        "final_loss": figures["final_loss"],
+        "last_step": figures["last_step"],
+        "tokens_per_s": round(figures["tokens_per_s"], 1) if figures["tokens_per_s"] else None,
+        "controller_dir": directory,
+        "loss_plot": plot if os.path.isfile(plot) else None,
+    }

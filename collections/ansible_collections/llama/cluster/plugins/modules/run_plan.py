@@ -17,37 +17,47 @@ description:
     model in models_catalogue (one lookup, module_utils/planner/model.py find_model), checks the
     request once (one message lists every bad value, the model's first), the inventory's ranks and
     accelerator.
-  - The model's config.json is read on the controller. A generated model (the catalogue's tiny)
-    is made first by scripts/make_tiny_model.py (once; a second run changes nothing). A
-    directory of the controller is read where it is (and rsync must be there to copy it). A hub
-    id is asked for with one GET of config.json at its endpoint, which pins the revision to the
-    hub's commit; the Hugging Face token is sent to huggingface.co only, or to any endpoint with
-    hf_token_to_endpoint=true. Where the controller gets no answer, the master is asked
-    (O(ask_master), O(hub_answer)); where neither gets one, a catalogue model is planned with the
-    config its entry carries (any model with O(model_params_b)), and the plan says that its
-    revision is not pinned. A directory on shared storage is read on the controller, or from
-    O(shared_config) where only the nodes mount it.
+  - The model's config.json is read on the controller (roles/model_stage/README.md says where
+    each kind of model comes from); where only the master can read it, the master is asked
+    (O(ask_master), O(hub_answer), O(shared_config)). A generated model (the catalogue's tiny)
+    is made first by scripts/make_tiny_model.py, once.
   - In check mode (train.yml --check) nothing is made. No run directory is claimed, a generated
     model not made yet is planned with the config.json it will have (made in a temporary
     directory, removed at once), and the plan's first line names no run.
   - Each dataset (datasets_catalogue, or O(dataset_file)) is checked record by record with
     llama.cluster.llama_dataset_check on the controller.
-  - Returns C(plan), the plan every node renders (roles/run_config), with C(plan.model), the
-    model with C(plan.model.path), its path on every node (train.yaml's model_name_or_path),
-    and C(plan.model_stage), the request every node stages there (roles/model_stage; no secrets
-    in it); and C(notes), the lines to show before launch. Fails with the problem and its fix,
-    changing nothing on any node.
+  - Returns C(plan), which every node renders (roles/run_config), and C(notes), the lines to
+    show before launch; fails with the problem and its fix, changing nothing on any node.
   - Reads the project's settings from the play's variables (models_catalogue, datasets_catalogue,
     datasets_formats, datasets_default, training_* (training_shared_storage for the checkpoints'
     disk estimate), the hub settings of group_vars/all/models.yml,
     tiny_model_*, controller_runs_dir, project_dir) and every node's hostvars and facts; a GPU
     node's facts must be gathered or cached before (train.yml reads the missing ones first).
   - With O(node_usage), the GPU and host memory each node has free at train time are planned
-    for instead of the facts' totals, and a GPU the run needs that another process holds is
-    refused naming the node, the GPU, the process and the way out (module_utils/planner/nodes.py).
-    train.yml plans a new run from the facts first, so that a bad request is refused before any
-    node is contacted, then reads the nodes and plans it again with O(replan) and O(node_usage).
+    for instead of the facts' totals, and a GPU another process holds is refused naming it
+    (module_utils/planner/nodes.py); roles/run_config (tasks/plan.yml) plans from the facts
+    first, then again with O(replan) and O(node_usage).
+  - The plan is module_utils/planner/plan.py's Plan as JSON (Plan.to_dict), with C(plan.model)
+    (its C(path) on every node), C(plan.model_stage) (no secrets in it), C(plan.stage) (its name,
+    source and why, and the properties Jinja reads instead of its name), C(plan.technique),
+    C(plan.batch), C(plan.memory), C(plan.disk), C(plan.performance), C(plan.version).
 options:
+  saved:
+    description:
+      - A run's plan.json, as its text, read back as this release reads plans (of any version,
+        module_utils/planner/plan.py's Plan.from_dict) and returned as C(plan); with O(resume),
+        the plan of the run continued from its checkpoint. Nothing is checked or planned then;
+        every other option but O(resume) and O(max_restarts) is ignored. The default (empty)
+        plans a new run.
+    type: str
+    default: ""
+  resume:
+    description:
+      - With O(saved), the plan of the run continued from its checkpoint (Plan.resumed), with
+        resume true, O(max_restarts) restarts, and a model_stage that only checks that the model
+        is where the first launch put it.
+    type: bool
+    default: false
   model:
     description: Catalogue name of the model (-e model), or a name of one's own with O(model_path).
     type: str
@@ -184,7 +194,9 @@ options:
     type: raw
     default: false
   max_restarts:
-    description: Restarts allowed after a failure, an integer >= 0 (recorded in the plan).
+    description:
+      - Restarts allowed after a failure, an integer >= 0 (recorded in the plan; with O(resume),
+        the resumed run's).
     type: raw
     default: 0
   replan:

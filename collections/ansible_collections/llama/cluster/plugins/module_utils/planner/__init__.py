@@ -6,6 +6,9 @@ checks that
 list and that the planner imports nothing outside itself but the standard library and
 ansible.errors):
 
+- `plan`: the plan's protocol, as llama_job/protocol.py is the status's: `Stage` (what each
+  DeepSpeed stage is, its name spelt there alone), the one search order per fine-tuning type,
+  `Request`, `StageChoice`, `Plan` (its JSON of every version, `resumed`) and `RunReport`;
 - `schema`: the numbers a user gives, checked against one schema (`check_request`), and the
   project's settings the planner reads (`Settings`);
 - `model`: the model from the catalogue (`find_model`), `-e` overrides and its config.json
@@ -18,14 +21,13 @@ ansible.errors):
   Liger, QLoRA) and the numerics policy that allows or forbids them (`candidates`);
 - `search`: the candidates that fit, ranked by predicted step time, the scaling over 1..N nodes
   and the go/no-go (`ranked`, `scaling`, `assess`);
-- `decisions`: micro-batch, accumulation, checkpointing, torch.compile and FP8 (`choose_batch`,
-  `choose_compile`, `choose_fp8`), and the first stage that fits where the cost model does not
-  apply (`choose_stage`: CPUs, a model of unknown shape);
+- `decisions`: the stage, by one rule (`choose_stage`: the search's fastest candidate of the
+  stage asked for or of every stage, else the first of the search order that fits), micro-batch,
+  accumulation, checkpointing, torch.compile and FP8 (`choose_batch`, `choose_compile`,
+  `choose_fp8`);
 - `rules`: the `when`/`set` profile rules kept as data (`apply_rules`);
-- `assembly`: `assemble` puts it together (the DeepSpeed stage and the technique are chosen
-  there, from the search's winner or `choose_stage`); `summary`: the lines shown before launch;
-- `checkpoints`: the checkpoint a continued run resumes from on every node (`resume_point`, which
-  llama-job applies) and whether a stage's checkpoints are each node's own (`sharded`);
+- `assembly`: `assemble`, a pipeline over one context (the stage, the technique, the batch, then
+  the plan); `summary`: the lines shown before launch;
 - `disk`: the checkpoints kept, their size on every node and whether they fit its free space
   (`disk_estimate`, `disk_budget`; tests/unit/planner/test_disk_budget.py);
 - `errors`: `PlanError`, the one error (a filter error in Ansible) that says what to change.

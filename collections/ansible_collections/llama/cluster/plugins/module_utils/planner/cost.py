@@ -14,8 +14,8 @@ untied input embedding, which is a lookup; N_t the trainable ones; L layers) cos
 - full fine-tuning without DeepSpeed: autocast's bf16 copy of the fp32 weights, every micro-batch
   (A N x `cast`);
 - the DeepSpeed engine: ZeRO-1/2 move every trainable gradient into their partitioned buffers,
-  every micro-batch (A N_t x `zero2`; ZeRO-1 once per step); ZeRO-3 gathers every weight for the
-  forward and the backward of every micro-batch (A N x `zero3`, and A L x `zero3_layer` for its
+  every micro-batch (A N_t x `partition`; ZeRO-1 once per step); ZeRO-3 gathers every weight for the
+  forward and the backward of every micro-batch (A N x `gather`, and A L x `gather_layer` for its
   hooks), even on one GPU;
 - offload (ZeRO-3 with the optimizer and the parameters in host memory): DeepSpeed's CPU Adam
   instead of the GPU optimizer (N_t x `offload_step`) and the weights over PCIe every
@@ -34,7 +34,7 @@ untied input embedding, which is a lookup; N_t the trainable ones; L layers) cos
   ring arithmetic, plus a latency per collective and `comm_fixed` per step on more than one rank.
   The hybrid stages (ZeRO++ hpZ, FSDP's hybrid shard: several ranks per node) move part of their
   bytes between a node's own ranks only; those are not counted on the link (their cost on the
-  node's bus is what ZeRO-3's `zero3` term measured on one GPU), only what crosses nodes.
+  node's bus is what ZeRO-3's `gather` term measured on one GPU), only what crosses nodes.
 
 The grid (tests/data/memory_grid.json) trained every point with accumulation 1, so which share of
 a per-parameter term is paid per micro-batch and which per step follows DeepSpeed's mechanism
@@ -48,6 +48,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .measured_memory import Shape, embedding_params
+from .plan import Stage
 from .techniques import PLAIN, Technique
 
 PEAK_FLOPS = 989e12  # H100/H200 SXM dense bf16 (datasheet): MFU is reported against it
@@ -79,9 +80,9 @@ COEFFICIENTS: dict[str, float] = {
     "offload_micro": 2.38209e-10,
     "offload_step": 7.30317e-10,
     "optimizer": 1.68427e-11,
-    "zero2": 7.05865e-11,
-    "zero3": 1.91366e-10,
-    "zero3_layer": 0.0144439,
+    "partition": 7.05865e-11,
+    "gather": 1.91366e-10,
+    "gather_layer": 0.0144439,
 }
 
 # Communication, from BENCHMARKS.md section 1 (2 H200s, NVLink, NCCL 296.8 GB/s bus bandwidth in
@@ -115,14 +116,6 @@ def zero3_regathered(params: float) -> float:
     return max(0.0, 1.0 - ZERO3_REUSE_DISTANCE / (2.0 * params)) if params > 0 else 0.0
 
 
-# The stage each cost term was measured with (zero0 is DDP under DeepSpeed, fsdp is planned as
-# ZeRO-3: both measured only as what they resemble).
-COST_STAGE = {"none": "none", "zero0": "none", "zero1": "zero1", "zero2": "zero2",
-              "zero2_offload": "zero2_offload", "zero3": "zero3", "fsdp": "zero3",
-              "zero3_offload": "zero3_offload", "zero3_hpz": "zero3",
-              "hsdp": "zero3"}  # fmt: skip
-
-
 @dataclass(frozen=True)
 class Setup:
     """What a step's time depends on besides the model: fine-tuning type, DeepSpeed stage,
@@ -132,7 +125,7 @@ class Setup:
     gloo (CPU ranks, as on the lab) rather than NCCL."""
 
     finetuning: str
-    stage: str
+    stage: Stage
     checkpointing: bool
     micro_tokens: int
     accumulation: int = 1
@@ -141,6 +134,9 @@ class Setup:
     technique: Technique = PLAIN
     local_ranks: int = 1
     gloo: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stage", Stage(self.stage))  # a stage named as text too
 
     @property
     def reduce_scatter(self) -> float:
@@ -182,7 +178,7 @@ def features(shape: Shape, setup: Setup, world: int = 1) -> dict[str, float]:
     bench/gpu/fit_cost.py fits the same terms, on one rank. Under ZeRO each rank steps the
     optimizer over its 1/world partition of the weights (bench/links.py measured the saving)."""
     kind = "full" if setup.finetuning == "full" else "lora"
-    measured = COST_STAGE[setup.stage]
+    measured = setup.stage.cost  # the stage each cost term was measured with
     a, t = float(setup.accumulation), float(setup.micro_tokens)
     per_token = (6.0 if kind == "full" else 4.0) + (2.0 if setup.checkpointing else 0.0)
     trainable = trainable_params(shape, setup)
@@ -194,28 +190,29 @@ def features(shape: Shape, setup: Setup, world: int = 1) -> dict[str, float]:
         terms[f"liger/{kind}"] = a * t * shape.vocab * shape.hidden
     if setup.technique.quant:
         terms["qlora"] = a * (shape.params - embedding_params(shape))
-    if measured == "zero2_offload":
+    if measured is Stage.ZERO2_OFFLOAD:
         terms["offload2_step"] = trainable / max(1, world)
         terms["offload2_micro"] = a * shape.params
-        terms["zero2"] = a * trainable
+        terms["partition"] = a * trainable
         return terms
-    if measured == "zero3_offload":
+    if measured is Stage.ZERO3_OFFLOAD:
         terms["offload_step"] = trainable
         terms["offload_micro"] = a * shape.params
-        terms["zero3_layer"] = a * shape.layers
+        terms["gather_layer"] = a * shape.layers
         return terms
     optimizer = "optimizer_8bit" if setup.technique.optim == "adamw_8bit" else "optimizer"
-    shards = setup.local_ranks if setup.stage == "hsdp" else world  # hsdp: a node's ranks
-    terms[optimizer] = trainable if measured == "none" else trainable / max(1, shards)
-    if measured == "none" and kind == "full":  # autocast casts the fp32 weights to bf16
+    shards = setup.local_ranks if setup.stage is Stage.HSDP else world  # hsdp: a node's ranks
+    ddp = measured is Stage.NONE
+    terms[optimizer] = trainable if ddp else trainable / max(1, shards)
+    if ddp and kind == "full":  # autocast casts the fp32 weights to bf16
         terms["cast"] = a * shape.params
-    if measured == "zero2":
-        terms["zero2"] = a * trainable
-    elif measured == "zero1":  # the same copy, once per step (gradients kept whole until then)
-        terms["zero2"] = trainable
-    elif measured == "zero3":
-        terms["zero3"] = a * shape.params
-        terms["zero3_layer"] = a * shape.layers
+    if measured is Stage.ZERO2:
+        terms["partition"] = a * trainable
+    elif measured is Stage.ZERO1:  # the same copy, once per step (gradients kept whole until then)
+        terms["partition"] = trainable
+    elif measured is Stage.ZERO3:
+        terms["gather"] = a * shape.params
+        terms["gather_layer"] = a * shape.layers
     return terms
 
 
@@ -280,9 +277,9 @@ def traffic(shape: Shape, setup: Setup, world: int) -> Traffic:
     half = (n - 1) / n  # reduce-scatter or all-gather
     a = float(setup.accumulation)
     trainable = trainable_params(shape, setup)
-    measured = COST_STAGE[setup.stage]
+    measured = setup.stage.cost
     c = COMMUNICATION
-    if measured == "none":
+    if measured is Stage.NONE:
         size = trainable * DDP_GRAD_BYTES
         return Traffic(
             ring * size,
@@ -291,14 +288,14 @@ def traffic(shape: Shape, setup: Setup, world: int) -> Traffic:
         )
     grads = trainable * setup.engine_bytes
     buckets = max(1.0, grads / c["ds_bucket_bytes"])
-    if measured == "zero1":
+    if measured is Stage.ZERO1:
         weights = trainable * setup.engine_bytes
         return Traffic(
             ring * grads + half * weights,
             2 * buckets,
             "gradients all-reduced and weights gathered once per optimizer step",
         )
-    if measured in ("zero2", "zero2_offload"):
+    if measured.zero == 2:
         weights = trainable * setup.engine_bytes
         return Traffic(
             a * ring * grads + half * weights,
@@ -306,7 +303,7 @@ def traffic(shape: Shape, setup: Setup, world: int) -> Traffic:
             "gradients all-reduced every micro-batch, weights gathered once per step",
         )
     weights = shape.params * setup.engine_bytes
-    if setup.stage in ("zero3_hpz", "hsdp"):
+    if setup.stage.hybrid:
         return hybrid_traffic(shape, setup, world, weights, grads)
     again = zero3_regathered(shape.params)
     return Traffic(
@@ -332,7 +329,7 @@ def hybrid_traffic(shape: Shape, setup: Setup, world: int, weights: float, grads
     a = float(setup.accumulation)
     n = float(world)
     buckets = max(1.0, grads / COMMUNICATION["ds_bucket_bytes"])
-    if setup.stage == "zero3_hpz":
+    if setup.stage is Stage.ZERO3_HPZ:
         return Traffic(
             a * (n - 1) / n * (weights + setup.reduce_scatter * grads),
             a * (shape.layers + buckets),

@@ -9,49 +9,99 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import PlanError
 from .memory import Memory, gib_text
+from .plan import Stage, StageChoice, search_order
 from .techniques import PLAIN, Technique
 
-STAGE_ORDER = {
-    # Never ZeRO-3 while a smaller stage fits: it gathers every layer's weights over the network
-    # on every step (BENCHMARKS.md rule 8). ZeRO-2 shards nothing a LoRA run holds a lot of.
-    "full": ("none", "zero2", "zero3", "zero3_offload"),
-    "lora": ("none", "zero3", "zero3_offload"),
-    "freeze": ("none", "zero3", "zero3_offload"),
-}
+if TYPE_CHECKING:  # search imports this module's batch rule
+    from .search import Search
 
 
-def fitting_stage(memory: Memory, cutoff: int) -> str | None:
-    """The first stage of STAGE_ORDER that fits both budgets with one checkpointed row of
-    cutoff_len tokens (the smallest micro-batch any plan can use), or None."""
-    for stage in STAGE_ORDER[memory.finetuning]:
-        if memory.fits(stage, cutoff, checkpointing=True) and memory.host_fits(stage):
-            return stage
-    return None
+def _fits(memory: Memory, stage: Stage, cutoff: int) -> bool:
+    """Whether one checkpointed row of cutoff_len tokens (the smallest micro-batch any plan can
+    use) fits both budgets under `stage`."""
+    return memory.fits(stage, cutoff, checkpointing=True) and memory.host_fits(stage)
 
 
-def choose_stage(memory: Memory, cutoff: int, accelerator: str, nnodes: int = 1) -> tuple[str, str]:
-    """The DeepSpeed stage for `deepspeed=auto`, and why; refuses, with the ways out, when no
-    stage fits the GPU memory and the host memory of the smallest node."""
+def _first_fit(memory: Memory, cutoff: int) -> Stage | None:
+    """The first stage of the search order that fits (a hybrid one only where it applies)."""
+    return next(
+        (
+            stage
+            for stage in search_order(memory.finetuning)
+            if (not stage.hybrid or hybrid_applies(memory)) and _fits(memory, stage, cutoff)
+        ),
+        None,
+    )
+
+
+def hybrid_applies(memory: Memory) -> bool:
+    """Whether the hybrid stages have something to split: several ranks on every node, several
+    nodes."""
+    return memory.nproc > 1 and memory.world > memory.nproc
+
+
+def choose_stage(
+    memory: Memory,
+    search: Search | None,
+    asked: StageChoice | None,
+    *,
+    cutoff: int,
+    accelerator: str,
+    nnodes: int = 1,
+    numerics: str = "measured",
+) -> StageChoice:
+    """The one way a run's stage is chosen. The candidates are the stage asked for (`asked`: by
+    -e deepspeed or a profile rule, its source says which), else every stage of the search
+    order; they are ranked by the cost model where it applies (`search`: its options fastest
+    first), else taken in the search order, the first that fits both budgets. A CPU cluster
+    trains with plain DDP unless asked otherwise. Refuses, with what each would need and the ways
+    out, where nothing fits."""
+    if search is not None and search.options:
+        count = len(search.options)
+        if asked is not None:
+            return replace(asked, why=f"{asked.why}; the fastest predicted of its {count} "
+                           "candidates that fit")  # fmt: skip
+        skipped = "; " + ", ".join(search.skipped) + " would not fit" if search.skipped else ""
+        why = f"the fastest predicted of {count} candidates that fit{skipped}"
+        return StageChoice(search.options[0].stage, "search", why)
+    if asked is not None:
+        if not memory.host_fits(asked.stage):
+            raise PlanError(
+                f"deepspeed={asked.stage} needs {gib_text(memory.host_need(asked.stage))} of host "
+                f"memory on each node ({memory.nproc} processes), the budget is "
+                f"{gib_text(memory.host_budget)}: the kernel would kill the run. "
+                "Leave deepspeed to the planner (-e deepspeed=auto), or add nodes."
+            )
+        if search is not None:
+            refuse_unfitting(search, memory, asked.stage, numerics)
+        return asked
     if accelerator == "cpu" or memory.budget is None:
-        return "none", "CPU cluster: plain DDP over gloo"
-    skipped = []
-    for stage in STAGE_ORDER[memory.finetuning]:
-        need = memory.need(stage, cutoff, checkpointing=True)
-        if need > memory.budget:
-            skipped.append(f"{stage} ({gib_text(need)} of GPU memory)")
-            continue
-        if not memory.host_fits(stage):
-            skipped.append(f"{stage} ({gib_text(memory.host_need(stage))} of host memory)")
-            continue
-        why = (
-            f"{gib_text(need)} needed at the smallest micro-batch, budget {gib_text(memory.budget)}"
-        )
-        return stage, why + ("; " + ", ".join(skipped) + " would not fit" if skipped else "")
-    raise PlanError(
+        return StageChoice(Stage.NONE, "cpu", "CPU cluster: plain DDP over gloo")
+    stage = _first_fit(memory, cutoff)
+    if stage is None:
+        raise _nothing_fits(memory, cutoff, nnodes)
+    why = (
+        f"the first of the search order that fits (the model's shape is unknown, so no cost "
+        f"model): {gib_text(memory.need(stage, cutoff, True))} needed at the smallest "
+        f"micro-batch, budget {gib_text(memory.budget)}"
+    )
+    return StageChoice(stage, "order", why)
+
+
+def _nothing_fits(memory: Memory, cutoff: int, nnodes: int) -> PlanError:
+    """Why no stage fits the GPU and host memory of the smallest node, with the ways out."""
+    skipped = [
+        f"{stage} ({gib_text(memory.host_need(stage))} of host memory)"
+        if memory.fits(stage, cutoff, checkpointing=True)
+        else f"{stage} ({gib_text(memory.need(stage, cutoff, checkpointing=True))} of GPU memory)"
+        for stage in search_order(memory.finetuning)
+        if not stage.hybrid or hybrid_applies(memory)
+    ]
+    return PlanError(
         f"The model does not fit even with ZeRO-3 and CPU offload: one row of "
         f"cutoff_len={cutoff} tokens per GPU needs "
         + ", ".join(skipped)
@@ -66,20 +116,53 @@ def ways_out(memory: Memory, cutoff: int, nnodes: int) -> str:
     ways = []
     shorter = cutoff // 2
     while shorter >= 256:
-        if fitting_stage(memory, shorter):
+        if _first_fit(memory, shorter):
             ways.append(f"Lower cutoff_len (-e cutoff_len={shorter})")
             break
         shorter //= 2
-    if memory.finetuning == "full" and fitting_stage(replace(memory, finetuning="lora"), cutoff):
+    if memory.finetuning == "full" and _first_fit(replace(memory, finetuning="lora"), cutoff):
         ways.append("LoRA (-e finetuning_type=lora)")
     for more in (2, 3, 4, 8):
         bigger = replace(memory, world=memory.world * more)
-        if fitting_stage(bigger, cutoff):
+        if _first_fit(bigger, cutoff):
             ways.append(f"{nnodes * more} nodes like the smallest one")
             break
     if not ways:
         return "Nothing small fits it: a larger GPU or more host memory."
     return "Ways out: " + "; or ".join(ways) + "."
+
+
+def refuse_unfitting(search: Search, memory: Memory, stage: Stage, numerics: str) -> None:
+    """A stage asked for that fits with none of its techniques: what each would need, and the
+    largest micro-batch that would fit where the one set does not."""
+    ask = search.asks[stage]
+    rows = int(ask.micro or 1)
+    tried = (search.tries or {}).get(stage) or (PLAIN,)
+    needs = []
+    for technique in tried:
+        need = replace(memory, technique=technique).need(stage, rows * ask.cutoff, True)
+        needs.append(f"{technique.label() or 'plain'}: {gib_text(need)}")
+    largest = max(
+        largest_micro(
+            lambda m, t=technique: replace(memory, technique=t).fits(stage, m * ask.cutoff, True),
+            rows,
+        )
+        for technique in tried
+    )
+    what = "one checkpointed row" if rows == 1 else f"a micro-batch of {rows} checkpointed rows"
+    smaller = (
+        f"The largest micro-batch that fits is {largest}: "
+        f'-e \'{{"train_args": {{"per_device_train_batch_size": {largest}}}}}\'. Or use '
+        if largest
+        else "Use "
+    )
+    raise PlanError(
+        f"The run does not fit the GPUs with deepspeed={stage}: {what} of {ask.cutoff} tokens "
+        f"needs, per GPU, " + "; ".join(needs) + f" (the budget is {gib_text(memory.budget)}). "
+        f"{smaller}deepspeed=auto, a smaller cutoff_len, more GPUs"
+        + (", or -e numerics=measured (8-bit AdamW)" if numerics == "exact" else "")
+        + ". Nothing was changed on any node."
+    )
 
 
 @dataclass(frozen=True)
@@ -298,11 +381,11 @@ def estimate_steps(
     return int(float(args.get("num_train_epochs", 1)) * math.ceil(records / per_step))
 
 
-def _compile_blocked(accelerator: str, stage: str, steps: int | None) -> str:
+def _compile_blocked(accelerator: str, stage: Stage | str, steps: int | None) -> str:
     """Why torch.compile cannot be weighed at all ('' when it can)."""
     if accelerator == "cpu":
         return "never on CPUs"
-    if stage != "none":
+    if Stage(stage) is not Stage.NONE:
         return "measured with plain DDP only, not with DeepSpeed or FSDP"
     if steps is None:
         return "run length unknown: no max_steps and no dataset record count"
@@ -311,7 +394,7 @@ def _compile_blocked(accelerator: str, stage: str, steps: int | None) -> str:
 
 def choose_compile(
     accelerator: str,
-    stage: str,
+    stage: Stage | str,
     steps: int | None,
     settings: Mapping[str, Any],
     *,
@@ -404,7 +487,7 @@ def fp8_pays(
 def choose_fp8(
     nodes: Sequence[Mapping[str, Any]],
     accelerator: str,
-    stage: str,
+    stage: Stage | str,
     pays: tuple[bool, str] = (True, "run length unknown"),
 ) -> tuple[dict[str, Any], dict[str, str], str]:
     """The training arguments and environment of an FP8 run, and the plan's line about it;
@@ -435,7 +518,7 @@ def choose_fp8(
             f"FP8 needs GPUs of compute capability {FP8_MIN_CAPABILITY} or newer (Ada: RTX 4090, "
             f"L40S; Hopper: H100, H200); {', '.join(old)} cannot run FP8 matmuls. {off}."
         )
-    if stage != "none":
+    if Stage(stage) is not Stage.NONE:
         raise PlanError(
             f"FP8 was measured with plain DDP only, and this plan needs deepspeed={stage}. "
             f"{off}, or give the run more GPU memory (more nodes, LoRA) so that no sharding is "

@@ -41,8 +41,8 @@ from fractions import Fraction
 from typing import Any
 
 from .memory import GIB
+from .plan import Stage
 
-DEEPSPEED = ("zero0", "zero1", "zero2", "zero3", "zero3_offload")
 # The linear layers of a Qwen2/Llama-style decoder layer, (inputs, outputs): h the hidden size, i
 # the MLP's intermediate size. LoRA adds rank x (inputs + outputs) parameters to each. k_proj and
 # v_proj are counted as wide as h (grouped-query attention makes them narrower): an upper bound.
@@ -76,10 +76,11 @@ def lora_params(shape: Mapping[str, Any] | None, rank: int, target: Any) -> int 
 
 
 def _terms(
-    finetuning: str, stage: str, args: Mapping[str, Any], share: float
+    finetuning: str, stage: Stage, args: Mapping[str, Any], share: float
 ) -> tuple[list[tuple[str, float]], float]:
     """What one checkpoint holds per parameter (what, bytes), and the final model's bytes."""
     half = bool(args.get("bf16") or args.get("fp16"))
+    deepspeed = stage.zero is not None
     if finetuning == "freeze":
         return [("the bf16 weights", 2.0)], 2.0
     if finetuning == "lora":
@@ -87,10 +88,10 @@ def _terms(
         terms = [(f"the adapter ({'bf16' if weights == 2 else 'fp32'})", weights)]
         if not args.get("save_only_model"):
             terms.append(("AdamW's 2 fp32 moments", 8.0))
-            if stage in DEEPSPEED:
+            if deepspeed:
                 terms.append(("DeepSpeed's fp32 master weights", 4.0))
         return terms, weights
-    if stage in DEEPSPEED:
+    if deepspeed:
         weights = 2.0 if half or args.get("pure_bf16") else 4.0
     else:
         weights = 2.0 if args.get("pure_bf16") else 4.0
@@ -98,9 +99,9 @@ def _terms(
     terms = [(f"the {dtype} weights", weights)]
     if args.get("save_only_model"):
         return terms, weights
-    if stage not in DEEPSPEED:
+    if not deepspeed:
         return [*terms, ("AdamW's 2 fp32 moments", 8.0)], weights
-    if stage in ("zero0", "zero1", "zero2"):
+    if stage.zero < 3:
         terms.append(("DeepSpeed's copy of the weights", weights))
     shards = (
         "every rank's" if share == 1 else f"this node's {Fraction(share).limit_denominator()} of"
@@ -126,7 +127,7 @@ def _saves(args: Mapping[str, Any], steps: int | None) -> int | None:
 def disk_estimate(
     *,
     model: Mapping[str, Any],
-    stage: str,
+    stage: Stage | str,
     args: Mapping[str, Any],
     nproc: int,
     world: int,
@@ -142,7 +143,7 @@ def disk_estimate(
     """
     finetuning = str(model["finetuning_type"])
     share = 1.0 if shared_storage else nproc / world
-    terms, final_per = _terms(finetuning, stage, args, share)
+    terms, final_per = _terms(finetuning, Stage(stage), args, share)
     if finetuning == "lora":
         unit = lora_params(
             model.get("shape"), int(args.get("lora_rank") or 8), model["lora_target"]

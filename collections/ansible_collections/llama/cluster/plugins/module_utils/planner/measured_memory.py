@@ -64,13 +64,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .plan import Stage
 from .techniques import PLAIN, Technique
 
 GIB = 1024**3
 
-# The DeepSpeed stages measured (none: plain DDP / one process); zero3_offload offloads both the
-# optimizer states and the parameters (the project's ds_config.json).
-STAGES = ("none", "zero2", "zero2_offload", "zero3", "zero3_offload")
 FINETUNING = ("full", "lora")
 
 # Fitted by bench/gpu/fit_memory.py on the fit half of tests/data/memory_grid.json (the module
@@ -150,11 +148,18 @@ class Shape:
         )
 
 
-def _check(finetuning: str, stage: str) -> None:
-    if finetuning not in FINETUNING or stage not in STAGES:
+def _check(finetuning: str, stage: Stage | str) -> Stage:
+    """The stage, where it was measured for this fine-tuning type (a stage that is its own
+    Stage.measured: ZeRO-2 with the optimizer offloaded for full fine-tuning only)."""
+    measured = Stage(stage) if stage in set(Stage) else None
+    if (
+        finetuning not in FINETUNING
+        or measured is None
+        or measured.measured is not measured
+        or (measured is Stage.ZERO2_OFFLOAD and finetuning != "full")
+    ):
         raise ValueError(f"no measurements for {finetuning} fine-tuning with stage {stage}")
-    if stage == "zero2_offload" and finetuning != "full":
-        raise ValueError(f"no measurements for {finetuning} fine-tuning with stage {stage}")
+    return measured
 
 
 def embedding_params(shape: Shape) -> float:
@@ -165,7 +170,7 @@ def embedding_params(shape: Shape) -> float:
 def features(
     shape: Shape,
     finetuning: str,
-    stage: str,
+    stage: Stage | str,
     checkpointing: bool,
     tokens: int,
     *,
@@ -176,12 +181,12 @@ def features(
     Each maps a coefficient's name to what it multiplies, so a prediction is the larger of the
     two dot products with COEFFICIENTS; bench/gpu/fit_memory.py fits the same terms.
     """
-    _check(finetuning, stage)
+    stage = _check(finetuning, stage)
     n, t = shape.params, float(tokens)
     group = f"{finetuning}/{stage}"
     # Without DeepSpeed a full fine-tune keeps fp32 weights, so the residual stream and what the
     # layers save of it are fp32; LoRA's frozen weights and every DeepSpeed engine are bf16.
-    width = "fp32" if finetuning == "full" and stage == "none" else "bf16"
+    width = "fp32" if finetuning == "full" and stage is Stage.NONE else "bf16"
     # Without checkpointing every layer keeps its activations; with it each layer keeps only its
     # input (4 or 2 bytes a value: not fitted) and one layer at a time is recomputed whole.
     layers = 1 if checkpointing else shape.layers
@@ -210,7 +215,7 @@ def features(
         return {key.format(moment=moment): value for key, value in weights.items()}
 
     step = {**held("step"), "overhead_gib": float(GIB)}
-    if stage == "zero3_offload":
+    if stage.offload_params:
         # The weights live in host memory; the GPU gathers a few layers at a time, and the
         # embedding and lm_head matrices (the largest single tensors) whole, with their gradients.
         backward = {"offload_embedding": embedding_params(shape), "overhead_gib": float(GIB), **act}
@@ -227,7 +232,7 @@ def dot(terms: Mapping[str, float], coefficients: Mapping[str, float]) -> float:
 def gpu_bytes(
     shape: Shape,
     finetuning: str,
-    stage: str,
+    stage: Stage | str,
     checkpointing: bool,
     tokens: int,
     *,
@@ -248,14 +253,17 @@ def fits(
 
 
 def host_bytes(
-    shape: Shape, finetuning: str, stage: str, coefficients: Mapping[str, float] = COEFFICIENTS
+    shape: Shape,
+    finetuning: str,
+    stage: Stage | str,
+    coefficients: Mapping[str, float] = COEFFICIENTS,
 ) -> float:
     """Peak resident host memory of one training process (VmHWM)."""
-    _check(finetuning, stage)
+    stage = _check(finetuning, stage)
     per_param = coefficients["host.load"]
     base = coefficients["host.base_gib"]
-    if stage == "zero3_offload":
+    if stage.offload_params:
         per_param = coefficients[f"host.offload_{finetuning}"]
-    elif stage == "zero2_offload":
+    elif stage.offload_optimizer:
         per_param, base = coefficients["host.offload2_full"], coefficients["host.offload2_base_gib"]
     return base * GIB + per_param * shape.params

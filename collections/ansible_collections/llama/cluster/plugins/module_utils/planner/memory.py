@@ -35,14 +35,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import measured_memory as measured
+from .plan import Stage
 from .techniques import PLAIN, Technique
 
 GIB = 1024**3
 BF16 = 2.0  # bytes of a bf16 weight: what ZeRO-2 keeps whole on every rank
-MEASURED_STAGE = {"none": "none", "zero0": "none", "zero1": "zero2", "zero2": "zero2",
-                  "zero2_offload": "zero2_offload", "zero3": "zero3", "fsdp": "zero3",
-                  "zero3_offload": "zero3_offload", "zero3_hpz": "zero3",
-                  "hsdp": "zero3"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -74,26 +71,26 @@ class Memory:
     def _kind(self) -> str:
         return "full" if self.finetuning == "full" else "lora"
 
-    def _coefficients(self, stage: str) -> dict[str, float]:
+    def _coefficients(self, stage: Stage) -> dict[str, float]:
         """measured_memory's coefficients, their per-parameter terms split over the world."""
         c = dict(measured.COEFFICIENTS)
         world = self.world
         if world == 1:
             return c
-        group = f"{self._kind()}/{MEASURED_STAGE[stage]}"
+        group = f"{self._kind()}/{stage.measured}"
         for moment in ("step", "backward"):
             key = f"{moment}/{group}"
             if key not in c:
                 continue
-            if stage == "hsdp":  # a whole replica per node, split over its ranks
+            if stage is Stage.HSDP:  # a whole replica per node, split over its ranks
                 c[key] = c[key] / max(1, self.nproc)
-            elif stage == "zero3_hpz":  # and the node's secondary copy of the bf16 weights
+            elif stage is Stage.ZERO3_HPZ:  # and the node's secondary copy of the bf16 weights
                 c[key] = c[key] / world + BF16 / max(1, self.nproc)
-            elif MEASURED_STAGE[stage] == "zero3":
+            elif stage.measured is Stage.ZERO3:
                 c[key] = c[key] / world
-            elif stage == "zero1":  # the gradients stay whole beside the weights until the step
+            elif stage is Stage.ZERO1:  # the gradients stay whole beside the weights until the step
                 c[key] = 2 * BF16 + (c[key] - 2 * BF16) / world
-            elif MEASURED_STAGE[stage] in ("zero2", "zero2_offload"):
+            elif stage.zero == 2:
                 c[key] = BF16 + (c[key] - BF16) / world
             elif self._kind() == "full":  # DDP's gradient buckets beside every rank's state
                 c[key] = c[key] + float(self.coefficients["ddp_bucket_bytes_per_param"])
@@ -112,26 +109,31 @@ class Memory:
             tied=bool(self.shape.get("tied", False)),
         )
 
-    def state(self, stage: str) -> float:
+    def state(self, stage: Stage | str) -> float:
         """Bytes at the optimizer step, without activations (all that is known without a shape)."""
+        stage = Stage(stage)
         c = self._coefficients(stage)
-        if MEASURED_STAGE[stage] == "zero3_offload":
+        if stage.offload_params:
             return c["overhead_gib"] * GIB * c["margin"]
-        key = f"step/{self._kind()}/{MEASURED_STAGE[stage]}"
+        key = f"step/{self._kind()}/{stage.measured}"
         return (
-            c.get(key, c[f"step/{self._kind()}/none"]) * self.params + c["overhead_gib"] * GIB
+            c.get(key, c[f"step/{self._kind()}/{Stage.NONE}"]) * self.params
+            + c["overhead_gib"] * GIB
         ) * c["margin"]
 
-    def need(self, stage: str, tokens: int, checkpointing: bool) -> float:
+    def need(self, stage: Stage | str, tokens: int, checkpointing: bool) -> float:
         """Peak bytes one process allocates. While the shape is unknown (no config.json) the
         activations cannot be counted: the state plus unknown_shape_reserve of it stands in."""
         shape = self.measured_shape()
         if shape is None:
             return self.state(stage) * (1 + float(self.coefficients["unknown_shape_reserve"]))
-        measured_stage = MEASURED_STAGE[stage]
+        stage = Stage(stage)
+        measured_stage = stage.measured
         kind = self._kind()
-        if kind == "lora" and measured_stage == "zero2":  # ZeRO-2 splits nothing LoRA holds much of
-            measured_stage = "none"
+        if (
+            kind == "lora" and measured_stage is Stage.ZERO2
+        ):  # ZeRO-2 splits nothing LoRA holds much of
+            measured_stage = Stage.NONE
         return measured.gpu_bytes(
             shape,
             kind,
@@ -142,26 +144,27 @@ class Memory:
             coefficients=self._coefficients(stage),
         )
 
-    def fits(self, stage: str, tokens: int, checkpointing: bool) -> bool:
+    def fits(self, stage: Stage | str, tokens: int, checkpointing: bool) -> bool:
         """Whether that fits the budget (always, without a budget: CPU runs)."""
         return self.budget is None or self.need(stage, tokens, checkpointing) <= self.budget
 
-    def host_need(self, stage: str) -> float:
+    def host_need(self, stage: Stage | str) -> float:
         """Bytes of host memory the node's `nproc` training processes hold together: each loads
         the bf16 weights; with zero3_offload each also holds 1/world of the offloaded state,
         with zero2_offload 1/world of the optimizer's state and DeepSpeed's pinned buffers."""
         c = measured.COEFFICIENTS
         per_param, base = c["host.load"], c["host.base_gib"]
+        stage = Stage(stage)
         if self.on_cpu:
             per_param = c[f"host.cpu_{self._kind()}"]
-        elif MEASURED_STAGE[stage] == "zero3_offload":
+        elif stage.offload_params:
             per_param = max(per_param, c[f"host.offload_{self._kind()}"] / self.world)
-        elif MEASURED_STAGE[stage] == "zero2_offload":
+        elif stage.offload_optimizer:
             per_param = max(per_param, c["host.offload2_full"] / self.world)
             base = c["host.offload2_base_gib"]
         return self.nproc * (base * GIB + per_param * self.params)
 
-    def host_fits(self, stage: str) -> bool:
+    def host_fits(self, stage: Stage | str) -> bool:
         """Whether the node's processes fit its host memory (always, where it is not known)."""
         return self.host_budget is None or self.host_need(stage) <= self.host_budget
 

@@ -173,24 +173,31 @@ def resolve_model(request: Mapping[str, Any], entry: Mapping[str, Any]) -> dict[
             "that code, add -e trust_remote_code=true; otherwise pick a model that transformers "
             "supports natively."
         )
-    counted = model_params(config) if config else None
-    if request.get("model_params_b"):
-        model["params_b"], source = float(request["model_params_b"]), "-e model_params_b"
-    elif entry.get("params_b"):
-        model["params_b"], source = float(entry["params_b"]), CATALOGUE_FILE
-    elif counted:
-        model["params_b"], source = round(counted / 1e9, 4), "counted from config.json"
-    else:
-        raise PlanError(
-            f"Model {name or model['path']} ({model['path']}): its size is unknown (no params_b "
-            f"in {CATALOGUE_FILE} and no config.json with a shape to count from), and the "
-            "DeepSpeed stage, micro-batch and checkpointing depend on it. Give the size in "
-            "billions of parameters, e.g. -e model_params_b=7.6, or add the model to the "
-            "catalogue."
-        )
-    model["params_source"] = source
+    model["params_b"], model["params_source"] = _size(request, entry, config, name, model["path"])
     model["shape"] = model_shape(config) if config else None
     return model
+
+
+def _size(
+    request: Mapping[str, Any], entry: Mapping[str, Any], config: Mapping[str, Any], name: str,
+    path: str,
+) -> tuple[float, str]:  # fmt: skip
+    """The model's size in billions of parameters, and where it came from: -e model_params_b,
+    else the catalogue's params_b, else counted from the config; refused where none is known."""
+    counted = model_params(config) if config else None
+    if request.get("model_params_b"):
+        return float(request["model_params_b"]), "-e model_params_b"
+    if entry.get("params_b"):
+        return float(entry["params_b"]), CATALOGUE_FILE
+    if counted:
+        return round(counted / 1e9, 4), "counted from config.json"
+    raise PlanError(
+        f"Model {name or path} ({path}): its size is unknown (no params_b "
+        f"in {CATALOGUE_FILE} and no config.json with a shape to count from), and the "
+        "DeepSpeed stage, micro-batch and checkpointing depend on it. Give the size in "
+        "billions of parameters, e.g. -e model_params_b=7.6, or add the model to the "
+        "catalogue."
+    )
 
 
 # -- Where the model comes from and where it lives on every node.

@@ -19,24 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CATALOGUE_FILE, TRAINING_FILE, PlanError
+from .plan import Stage
 from .techniques import NUMERICS, QUANTIZATION_BITS
 
 FINETUNING_TYPES = ("lora", "freeze", "full")
-# What -e deepspeed may name besides auto: plain DDP, the DeepSpeed stages roles/run_config renders
-# a ds_config.json for (its vars/main.yml), and FSDP; zero3_hpz (ZeRO++ hpZ) and hsdp (FSDP's
-# hybrid shard) shard inside a node and replicate across nodes (planner/search.py: HYBRID).
-DEEPSPEED_STAGES = (
-    "none",
-    "zero0",
-    "zero1",
-    "zero2",
-    "zero2_offload",
-    "zero3",
-    "zero3_hpz",
-    "zero3_offload",
-    "fsdp",
-    "hsdp",
-)
+# What -e deepspeed may name besides auto: every stage (plan.Stage).
+DEEPSPEED_STAGES = tuple(stage.value for stage in Stage)
 LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target")
 
 

@@ -10,12 +10,12 @@ measured ones the numerics policy allows; a stage without techniques tries the p
 The tokens per optimizer step are the user's: every candidate splits the same rows per process
 into micro-batch x accumulation, and candidates are ranked by seconds per token.
 
-The hybrid stages (HYBRID: ZeRO++ hpZ and FSDP's hybrid shard, HSDP) shard inside a node and
-replicate across nodes: candidates of a full fine-tune only where every node runs several ranks
-and there are several nodes (`hybrid_applies`); elsewhere they are ZeRO-3 or FSDP by another
-name. bench/links.py measured both against DDP, ZeRO-2 and ZeRO-3 on the CPU lab, 2 nodes x 2
-ranks over 100 Mbit/s and 1 Gbit/s (BENCHMARKS.md section 11). Not a candidate: FSDP (never
-chosen, only run when asked: its cost is planned as ZeRO-3's).
+The hybrid stages (Stage.hybrid: ZeRO++ hpZ and FSDP's hybrid shard, HSDP) shard inside a node
+and replicate across nodes: candidates of a full fine-tune only where every node runs several
+ranks and there are several nodes (decisions.hybrid_applies); elsewhere they are ZeRO-3 or FSDP
+by another name. bench/links.py measured both against DDP, ZeRO-2 and ZeRO-3 on the CPU lab,
+2 nodes x 2 ranks over 100 Mbit/s and 1 Gbit/s (BENCHMARKS.md section 11). Not a candidate:
+FSDP (never chosen, only run when asked: its cost is planned as ZeRO-3's).
 """
 
 from __future__ import annotations
@@ -26,41 +26,25 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .cost import Link, Setup, StepCost, mfu, step_cost
-from .decisions import Batch, BatchRequest, batch_options
+from .decisions import Batch, BatchRequest, batch_options, hybrid_applies
 from .errors import PlanError
 from .links import CHECK
 from .measured_memory import Shape
 from .memory import Memory, gib_text
+from .plan import Stage, search_order
 from .techniques import PLAIN, Technique
-
-# The stages the search tries, by fine-tuning type. ZeRO-1 and ZeRO-2 split nothing that a LoRA
-# run holds much of (its optimizer state is the adapter's), so LoRA skips them.
-SEARCH_STAGES = {
-    "full": ("none", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "zero3_hpz",
-             "hsdp"),
-    "lora": ("none", "zero3", "zero3_offload"),
-    "freeze": ("none", "zero3", "zero3_offload"),
-}  # fmt: skip
-# Shard inside a node, replicate across nodes: only where a node has several ranks.
-HYBRID = ("zero3_hpz", "hsdp")
-
-
-def hybrid_applies(memory: Memory) -> bool:
-    """Whether the hybrid stages are candidates: several ranks on every node, several nodes."""
-    return memory.nproc > 1 and memory.world > memory.nproc
-
 
 MIN_EFFICIENCY = 0.6  # of linear scaling, below which train.yml refuses (issue 22)
 
 
-Tries = Mapping[str, tuple[Technique, ...]]
+Tries = Mapping[Stage, tuple[Technique, ...]]
 
 
 @dataclass(frozen=True)
 class Option:
     """One candidate that fits, with its predicted step."""
 
-    stage: str
+    stage: Stage
     batch: Batch
     cost: StepCost
     setup: Setup
@@ -70,7 +54,7 @@ class Option:
         return self.setup.technique
 
     @property
-    def variant(self) -> tuple[str, Technique]:
+    def variant(self) -> tuple[Stage, Technique]:
         """What the runner-up must differ in: the stage or the technique."""
         return self.stage, self.technique
 
@@ -80,7 +64,7 @@ class Option:
         search: Search,
         memory: Memory,
         *,
-        stage: str,
+        stage: Stage,
         batch: Batch,
         cutoff: int,
         link: Link | None,
@@ -116,7 +100,7 @@ class Search:
     candidates that fit (fastest first), the stages that did not fit, the techniques each stage
     tried, and whether they were the fallback (QLoRA where no bf16 candidate fit)."""
 
-    asks: Mapping[str, BatchRequest]
+    asks: Mapping[Stage, BatchRequest]
     shape: Shape
     rank: int
     options: list[Option]
@@ -125,7 +109,7 @@ class Search:
     fallback: bool = False
 
     def cost_function(
-        self, memory: Memory, stage: str, cutoff: int, link: Link | None
+        self, memory: Memory, stage: Stage, cutoff: int, link: Link | None
     ) -> Callable[[Batch], float]:
         """A batch's predicted step time under `stage` and the memory's technique (choose_batch
         ranks by it)."""
@@ -137,7 +121,7 @@ class Search:
         return seconds
 
 
-def setup(memory: Memory, stage: str, batch: Batch, cutoff: int, lora_rank: int) -> Setup:
+def setup(memory: Memory, stage: Stage, batch: Batch, cutoff: int, lora_rank: int) -> Setup:
     """What the cost model reads of a candidate (its technique is the memory's)."""
     return Setup(
         finetuning="full" if memory.finetuning == "full" else "lora",
@@ -153,7 +137,7 @@ def setup(memory: Memory, stage: str, batch: Batch, cutoff: int, lora_rank: int)
 
 def ranked(
     memory: Memory,
-    asks: Mapping[str, BatchRequest],
+    asks: Mapping[Stage, BatchRequest],
     shape: Shape,
     link: Link | None,
     lora_rank: int,
@@ -166,7 +150,7 @@ def ranked(
     stage left out did not fit."""
     options, skipped = [], []
     for stage, ask in asks.items():
-        if stage in HYBRID and not hybrid_applies(memory):
+        if stage.hybrid and not hybrid_applies(memory):
             continue  # one node, or one rank per node: ZeRO-3 or FSDP by another name
         fitted = False
         recomputes: dict[str, bool] = {}  # optimizer -> its run without Liger must recompute
@@ -233,7 +217,7 @@ class Scale:
 
 def scaling(
     memory: Memory,
-    asks: Mapping[str, BatchRequest],
+    asks: Mapping[Stage, BatchRequest],
     shape: Shape,
     link: Link | None,
     lora_rank: int,
@@ -326,35 +310,74 @@ def option_mfu(option: Option, shape: Shape, finetuning: str) -> float:
     return mfu(option.cost, shape, finetuning)
 
 
+@dataclass(frozen=True)
+class Cluster:
+    """What the go/no-go weighs a plan on: the link between the nodes (None: not measured, with
+    `link_note` saying why), the nodes and their ranks, whether a slow plan may train anyway,
+    the model's name (for the command that trains on fewer nodes) and the dataset's records
+    (a way out never offers a larger batch than it holds)."""
+
+    link: Link | None
+    link_note: str
+    nnodes: int
+    nproc: int
+    allow_slow: bool = False
+    model_name: str | None = None
+    records: int | None = None
+
+
 def assess(
-    search: Search | None,
-    memory: Memory,
-    chosen: Option | None,
-    *,
-    link: Link | None,
-    link_note: str,
-    nnodes: int,
-    nproc: int,
-    allow_slow: bool,
-    model_name: str | None = None,
-    records: int | None = None,
+    search: Search | None, memory: Memory, chosen: Option | None, cluster: Cluster
 ) -> tuple[dict[str, Any], list[str]]:
     """The plan's predicted performance and the lines that show it; raises PlanError (the
-    go/no-go) when the nodes would not pay, unless allow_slow. `model_name` (the request's)
-    goes into the command that trains on fewer nodes; `records` (the dataset's, where known)
-    bounds the larger batch a way out may offer."""
+    go/no-go) when the nodes would not pay, unless the cluster allows a slow plan."""
     if search is None or chosen is None:
         why = "CPU cluster" if memory.budget is None else "the model's shape is unknown"
         return {"predicted": False}, [
             f"Predicted speed: not predicted ({why}: the cost model was measured on GPUs, "
             "for models with a config.json)"
         ]
-    finetuning = memory.finetuning
+    result, lines = _prediction(search, memory, chosen, cluster)
+    link = cluster.link
+    if cluster.nnodes < 2:
+        return result, lines
+    if link is None:
+        lines.append(
+            f"Link between nodes: not measured ({cluster.link_note}). Communication is not "
+            f"counted and the go/no-go is not decided: run {CHECK} first, or set -e link_gbps=N"
+        )
+        return result, lines
+    lines.append(f"Link between nodes: {link.bandwidth * 8 / 1e9:g} Gbit/s ({link.source})")
+    scales = _scales(search, memory, chosen, cluster)
+    result["scaling"] = [
+        {"nodes": s.nodes, "tokens_per_s": round(s.tokens_per_s) if s.tokens_per_s else None,
+         "efficiency": round(s.efficiency, 3) if s.efficiency is not None else None}
+        for s in scales
+    ]  # fmt: skip
+    lines.append("Scaling (predicted, per added node): " + scaling_line(scales))
+    refusal = go_no_go(scales)
+    if refusal is None:
+        return result, lines
+    if cluster.allow_slow:
+        lines.append(f"Scaling: {refusal}; training anyway (-e allow_slow_scaling=true)")
+        return result, lines
+    raise PlanError(
+        f"Refused before launch: {refusal} (link {link.bandwidth * 8 / 1e9:g} Gbit/s, "
+        f"{link.source}; plan {chosen.label()}: {chosen.timing()}). Ways out: "
+        + "; or ".join(_ways_out(search, memory, chosen, scales, cluster))
+        + ". Or train anyway with -e allow_slow_scaling=true. Nothing was changed on any node."
+    )
+
+
+def _prediction(
+    search: Search, memory: Memory, chosen: Option, cluster: Cluster
+) -> tuple[dict[str, Any], list[str]]:
+    """The chosen plan's predicted step, the runner-up and why it lost."""
     world = memory.world
     lines = [
         f"Predicted (planner/cost.py, fitted on one H200): {chosen.label()}: {chosen.timing()}, "
         f"{chosen.cost.tokens_per_second(world):,.0f} tokens/s, MFU "
-        f"{option_mfu(chosen, search.shape, finetuning):.0%}"
+        f"{option_mfu(chosen, search.shape, memory.finetuning):.0%}"
     ]
     others = [
         o
@@ -368,70 +391,38 @@ def assess(
         if other is not None
         else "Runner-up: none (no other candidate fits)"
     )
-    result: dict[str, Any] = {
+    link = cluster.link
+    return {
         "predicted": True,
         "step_s": round(chosen.cost.total, 4),
         "tokens_per_s": round(chosen.cost.tokens_per_second(world)),
         "runner_up": other.label() if other else None,
         "link_gbps": round(link.bandwidth * 8 / 1e9, 3) if link else None,
-        "link_source": link.source if link else link_note,
+        "link_source": link.source if link else cluster.link_note,
         "scaling": [],
-    }
-    if nnodes < 2:
-        return result, lines
-    if link is None:
-        lines.append(
-            f"Link between nodes: not measured ({link_note}). Communication is not counted and "
-            f"the go/no-go is not decided: run {CHECK} first, or set -e link_gbps=N"
-        )
-        return result, lines
-    lines.append(f"Link between nodes: {link.bandwidth * 8 / 1e9:g} Gbit/s ({link.source})")
+    }, lines
+
+
+def _scales(search: Search, memory: Memory, chosen: Option, cluster: Cluster) -> list[Scale]:
+    """The best plan's scaling over 1..nnodes nodes, the last being the chosen plan."""
     scales = scaling(
         memory,
         search.asks,
         search.shape,
-        link,
+        cluster.link,
         search.rank,
-        nnodes=nnodes,
-        nproc=nproc,
+        nnodes=cluster.nnodes,
+        nproc=cluster.nproc,
         tries=search.tries,
     )
+    world = memory.world
     scales[-1] = replace(
         scales[-1],
         option=chosen,
         tokens_per_s=chosen.cost.tokens_per_second(world),
         efficiency=_efficiency(scales, chosen, world),
     )
-    result["scaling"] = [
-        {"nodes": s.nodes, "tokens_per_s": round(s.tokens_per_s) if s.tokens_per_s else None,
-         "efficiency": round(s.efficiency, 3) if s.efficiency is not None else None}
-        for s in scales
-    ]  # fmt: skip
-    lines.append("Scaling (predicted, per added node): " + scaling_line(scales))
-    refusal = go_no_go(scales)
-    if refusal is None:
-        return result, lines
-    if allow_slow:
-        lines.append(f"Scaling: {refusal}; training anyway (-e allow_slow_scaling=true)")
-        return result, lines
-    raise PlanError(
-        f"Refused before launch: {refusal} (link {link.bandwidth * 8 / 1e9:g} Gbit/s, "
-        f"{link.source}; plan {chosen.label()}: {chosen.timing()}). Ways out: "
-        + "; or ".join(
-            _ways_out(
-                search,
-                memory,
-                chosen,
-                scales=scales,
-                link=link,
-                nnodes=nnodes,
-                nproc=nproc,
-                model_name=model_name,
-                records=records,
-            )
-        )
-        + ". Or train anyway with -e allow_slow_scaling=true. Nothing was changed on any node."
-    )
+    return scales
 
 
 def _efficiency(scales: list[Scale], chosen: Option, world: int) -> float:
@@ -445,40 +436,33 @@ def _efficiency(scales: list[Scale], chosen: Option, world: int) -> float:
 
 
 def _ways_out(
-    search: Search,
-    memory: Memory,
-    chosen: Option,
-    *,
-    scales: list[Scale],
-    link: Link,
-    nnodes: int,
-    nproc: int,
-    model_name: str | None = None,
-    records: int | None = None,
+    search: Search, memory: Memory, chosen: Option, scales: list[Scale], cluster: Cluster
 ) -> list[str]:
-    """What would pay, with its predicted figures: fewer nodes, LoRA, more accumulation (never
-    more rows per optimizer step than the dataset's `records`: the plan would refuse that
-    batch), a faster link."""
+    """What would pay, with its predicted figures: fewer nodes, LoRA, more accumulation, a
+    faster link."""
     ways = []
     fewer = [s for s in scales[:-1] if s.tokens_per_s]
     if fewer:
         best = max(fewer, key=lambda s: s.tokens_per_s or 0.0)
-        ways.append(f"fewer nodes: {best.nodes} ({fewer_nodes_command(model_name, best.nodes)}) at "
+        ways.append(f"fewer nodes: {best.nodes} "
+                    f"({fewer_nodes_command(cluster.model_name, best.nodes)}) at "
                     f"{best.tokens_per_s:,.0f} tokens/s")  # fmt: skip
-    if memory.finetuning == "full" and "none" in search.asks:
-        lora = replace(memory, finetuning="lora")
-        asks = {s: search.asks["none"] for s in SEARCH_STAGES["lora"]}
-        verdict = _verdict(
-            replace(lora, technique=PLAIN),
-            asks,
-            search,
-            link=link,
-            nnodes=nnodes,
-            nproc=nproc,
-            tries=dict.fromkeys(asks, (PLAIN,)),
-        )
+    if memory.finetuning == "full" and Stage.NONE in search.asks:
+        lora = replace(memory, finetuning="lora", technique=PLAIN)
+        asks = {s: search.asks[Stage.NONE] for s in search_order("lora")}
+        verdict = _verdict(lora, asks, search, cluster, tries=dict.fromkeys(asks, (PLAIN,)))
         if verdict:
             ways.append(f"LoRA (-e finetuning_type=lora): {verdict}")
+    more = _more_accumulation(search, memory, cluster)
+    if more:
+        ways.append(more)
+    link = _faster_link(search, memory, chosen, scales, cluster)
+    return [*ways, link] if link else ways or ["none predicted to pay on this link"]
+
+
+def _more_accumulation(search: Search, memory: Memory, cluster: Cluster) -> str:
+    """A larger batch that would pay ('' if none does): never more rows per optimizer step than
+    the dataset's records (the plan would refuse that batch)."""
     ask = next(iter(search.asks.values()))
     fixed = bool(ask.micro and ask.accumulation) or not ask.packing
     for times in (2, 4, 8, 16, 32, 64, 128):
@@ -487,7 +471,7 @@ def _ways_out(
             if fixed
             else math.ceil(ask.tokens_per_step * times / max(1, ask.cutoff))
         ) * memory.world
-        if records is not None and rows > records:
+        if cluster.records is not None and rows > cluster.records:
             break  # larger batches than the dataset holds: check_dataset_batch refuses them
         if fixed:  # the split is set: more micro-batches of the same size
             more = {s: replace(a, accumulation=(a.accumulation or 1) * times) for s, a in
@@ -500,33 +484,36 @@ def _ways_out(
             more = {s: replace(a, tokens_per_step=a.tokens_per_step * times) for s, a in
                     search.asks.items()}  # fmt: skip
             how = f"-e tokens_per_step={ask.tokens_per_step * times}"
-        verdict = _verdict(
-            memory, more, search, link=link, nnodes=nnodes, nproc=nproc, need_pass=True
-        )
+        verdict = _verdict(memory, more, search, cluster, need_pass=True)
         if verdict:
-            ways.append(
+            return (
                 f"more accumulation: {how} ({times} x the tokens per optimizer step, a larger "
                 f"batch: {verdict})"
             )
-            break
-    # The step time at which these nodes pay: MIN_EFFICIENCY of linear, and faster than fewer.
+    return ""
+
+
+def _faster_link(
+    search: Search, memory: Memory, chosen: Option, scales: list[Scale], cluster: Cluster
+) -> str:
+    """The link on which these nodes pay: MIN_EFFICIENCY of linear, and faster than fewer."""
     fewest = next((s for s in scales if s.tokens_per_s), None)
-    tokens = chosen.cost.tokens * memory.world
-    if fewest is not None and fewest.tokens_per_s:
-        rates = [MIN_EFFICIENCY * fewest.tokens_per_s * nnodes / fewest.nodes]
-        rates += [s.tokens_per_s for s in scales[:-1] if s.tokens_per_s]
-        seconds = (
-            chosen.cost.compute / MIN_EFFICIENCY
-            if fewest.nodes == nnodes  # only this many nodes fit: against its own compute
-            else tokens / max(rates)
-        )
-        gbps = needed_gbps(chosen, search.shape, link, memory.world, seconds)
-        ways.append(
-            f"a faster link: at least {gbps:,.3g} Gbit/s for this plan"
-            if gbps is not None
-            else "no faster link: this plan's compute alone is slower than fewer nodes"
-        )
-    return ways or ["none predicted to pay on this link"]
+    if fewest is None or not fewest.tokens_per_s or cluster.link is None:
+        return ""
+    nnodes = cluster.nnodes
+    rates = [MIN_EFFICIENCY * fewest.tokens_per_s * nnodes / fewest.nodes]
+    rates += [s.tokens_per_s for s in scales[:-1] if s.tokens_per_s]
+    seconds = (
+        chosen.cost.compute / MIN_EFFICIENCY
+        if fewest.nodes == nnodes  # only this many nodes fit: against its own compute
+        else chosen.cost.tokens * memory.world / max(rates)
+    )
+    gbps = needed_gbps(chosen, search.shape, cluster.link, memory.world, seconds)
+    return (
+        f"a faster link: at least {gbps:,.3g} Gbit/s for this plan"
+        if gbps is not None
+        else "no faster link: this plan's compute alone is slower than fewer nodes"
+    )
 
 
 def fewer_nodes_command(model_name: str | None, nodes: int) -> str:
@@ -541,25 +528,23 @@ def fewer_nodes_command(model_name: str | None, nodes: int) -> str:
 
 def _verdict(
     memory: Memory,
-    asks: Mapping[str, BatchRequest],
+    asks: Mapping[Stage, BatchRequest],
     search: Search,
+    cluster: Cluster,
     *,
-    link: Link,
-    nnodes: int,
-    nproc: int,
     need_pass: bool = False,
     tries: Tries | None = None,
 ) -> str:
-    """'87 % of linear, 12,000 tokens/s' for that variant on nnodes nodes ('' if nothing fits,
-    or if need_pass and it would still be refused); `tries`: the search's unless given."""
+    """'87 % of linear, 12,000 tokens/s' for that variant on the cluster's nodes ('' if nothing
+    fits, or if need_pass and it would still be refused); `tries`: the search's unless given."""
     scales = scaling(
         memory,
         asks,
         search.shape,
-        link,
+        cluster.link,
         search.rank,
-        nnodes=nnodes,
-        nproc=nproc,
+        nnodes=cluster.nnodes,
+        nproc=cluster.nproc,
         tries=search.tries if tries is None else tries,
     )
     last = scales[-1]

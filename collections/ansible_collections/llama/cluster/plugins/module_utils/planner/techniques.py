@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .errors import PlanError
+from .plan import Request, Stage
 
 # The values of -e numerics: `measured` (default) allows the numerics changes measured to hold;
 # `exact` forbids every one (8-bit optimizer states, a planner-chosen QLoRA, FP8).
@@ -192,7 +193,7 @@ def candidates(
         )
     )  # fmt: skip
     yield from uncompiled
-    if compiling and stage == "none":
+    if compiling and Stage(stage) is Stage.NONE:
         twins = (replace(t, compiled=True) for t in uncompiled)
         yield from (t for t in twins if t.compile_saving(finetuning) is not None)
 
@@ -232,7 +233,7 @@ def available_packages(nodes: Sequence[Mapping[str, Any]]) -> frozenset[str]:
 
 
 def check_quantization(
-    request: Mapping[str, Any],
+    request: Request,
     model: Mapping[str, Any],
     nodes: Sequence[Mapping[str, Any]],
     accelerator: str,
@@ -240,19 +241,19 @@ def check_quantization(
 ) -> None:
     """QLoRA (-e quantization_bit=4) as measured: LoRA, plain DDP, NVIDIA GPUs, bitsandbytes on
     every node, numerics not exact; PlanError naming what to change otherwise."""
-    bits = request["quantization_bit"]
+    bits = request.quantization_bit
     problems = []
     if model["finetuning_type"] != "lora":
         problems.append(
             f"QLoRA trains LoRA adapters on {bits}-bit frozen weights; this run is "
             f"finetuning_type={model['finetuning_type']}: add -e finetuning_type=lora"
         )
-    if (request.get("deepspeed") or "auto") not in ("auto", "none"):
+    if request.stage not in (None, Stage.NONE):
         problems.append(
-            f"QLoRA was measured with plain DDP only, not deepspeed={request['deepspeed']}: "
+            f"QLoRA was measured with plain DDP only, not deepspeed={request.stage}: "
             "leave deepspeed to the planner (-e deepspeed=auto)"
         )
-    if request["numerics"] == "exact":
+    if request.numerics == "exact":
         problems.append(
             "4-bit weights change the run's numerics, and numerics=exact forbids every such "
             "change: drop quantization_bit, or set -e numerics=measured"
