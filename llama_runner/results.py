@@ -180,6 +180,10 @@ class TrainSummary:
     gradient_accumulation_steps: int | None = None
     gradient_checkpointing: bool | None = None
     torch_compile: bool | None = None
+    # What did not fail the run (a failure in teardown after every rank finished), and the
+    # nodes its last attempt ran without (-e min_nodes).
+    warnings: tuple[str, ...] = ()
+    left_out: tuple[str, ...] = ()
 
     @classmethod
     def from_stats(cls, data: Mapping[str, Any]) -> TrainSummary:
@@ -211,6 +215,8 @@ class TrainSummary:
             gradient_accumulation_steps=as_number(data.get("gradient_accumulation_steps"), int),
             gradient_checkpointing=as_flag(data.get("gradient_checkpointing")),
             torch_compile=as_flag(data.get("torch_compile")),
+            warnings=tuple(str(w) for w in data.get("warnings") or ()),
+            left_out=tuple(str(h) for h in data.get("left_out") or ()),
         )
 
     @classmethod

@@ -24,6 +24,7 @@ from ansible.module_utils.urls import ConnectionError as UrlConnectionError
 from ansible.module_utils.urls import open_url
 from ansible.parsing.plugin_docs import read_docstring
 from ansible.plugins.action import ActionBase
+from ansible_collections.llama.cluster.plugins.module_utils.fewer_nodes import plan_fewer_nodes
 from ansible_collections.llama.cluster.plugins.module_utils.inventory import (
     cluster_ranks,
     node_nproc,
@@ -285,14 +286,26 @@ class ActionModule(ActionBase):
         request = checked["request"]
         ranks = cluster_ranks(groups, hostvars)
         nprocs = {host: node_nproc(hostvars[host]) for host in ranks}
+        nodes = describe_nodes(ranks, hostvars, nprocs, usage_by_host(asked["node_usage"]))
         plan = assemble(
             request,
             model=checked["model"],
-            nodes=describe_nodes(ranks, hostvars, nprocs, usage_by_host(asked["node_usage"])),
+            nodes=nodes,
             ranks=ranks,
             datasets=checked["datasets"],
             settings=settings,
         )
+        fewer = plan_fewer_nodes(
+            plan,
+            request,
+            model=checked["model"],
+            nodes=nodes,
+            datasets=checked["datasets"],
+            settings=settings,
+            min_nodes=int(asked["min_nodes"] or 0),
+        )
+        plan.update(min_nodes=fewer["min_nodes"], fewer_nodes=fewer["fewer_nodes"])
+        plan["summary"] = plan["summary"] + fewer["lines"]
         if checked["staging"] is not None:
             plan["model_stage"] = checked["staging"]
         if self._task.check_mode:

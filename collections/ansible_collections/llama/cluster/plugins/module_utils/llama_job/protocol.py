@@ -230,6 +230,10 @@ class Restart:
     at: str | None = None
     after: Failure | None = None
     checkpoint: str | None = None
+    # The nodes it continued without (min_nodes: gone past the restart window), and the plan of
+    # the run on the nodes that remained (the spec's fewer_nodes note).
+    left_out: tuple[str, ...] = ()
+    note: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """Its JSON."""
@@ -245,6 +249,8 @@ class Restart:
             at=_text(data.get("at")),
             after=Failure.from_dict(data.get("after")),
             checkpoint=_text(data.get("checkpoint")),
+            left_out=_strings(data.get("left_out")),
+            note=str(data.get("note") or ""),
         )
 
 
@@ -289,6 +295,10 @@ class RankStatus:
     started: str | None = None
     ended: str | None = None
     updated: str | None = None
+    # What did not fail the run but is worth saying (a failure in teardown after every rank
+    # reached the last step), and the nodes the current attempt runs without (min_nodes).
+    warnings: tuple[str, ...] = ()
+    left_out: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """Its JSON (what llama-job prints)."""
@@ -322,6 +332,8 @@ class RankStatus:
             started=_text(data.get("started")),
             ended=_text(data.get("ended")),
             updated=_text(data.get("updated")),
+            warnings=_strings(data.get("warnings")),
+            left_out=_strings(data.get("left_out")),
         )
 
     def given_up(self) -> tuple[str, ...]:
@@ -352,6 +364,8 @@ class RankStatus:
         parts = record_line(record)
         if self.phase is not Phase.RUNNING:
             parts.insert(0, self.phase.value)
+        if self.left_out:
+            parts.append(f"without {', '.join(self.left_out)}")
         return "  ".join(parts) + tail
 
 
@@ -427,6 +441,8 @@ def rank_status(
         started=_text(record.get("started")),
         ended=_text(state.get("ended")),
         updated=_text(state.get("updated")),
+        warnings=_strings(state.get("warnings")),
+        left_out=_strings(state.get("left_out")),
     )
 
 
@@ -582,6 +598,8 @@ class JobStatus:
     # where the master's status was given the log.
     trainer_log: Mapping[str, Any] = field(default_factory=dict)
     summary: RunSummary | None = None
+    warnings: tuple[str, ...] = ()  # the master's (RankStatus.warnings)
+    left_out: tuple[str, ...] = ()  # the nodes the last attempt ran without (min_nodes)
 
     @property
     def node(self) -> str | None:
@@ -634,4 +652,6 @@ class JobStatus:
             ended=_text(data.get("ended")),
             trainer_log=_mapping(data.get("trainer_log")),
             summary=RunSummary.from_dict(data.get("summary")),
+            warnings=_strings(data.get("warnings")),
+            left_out=_strings(data.get("left_out")),
         )
