@@ -8,6 +8,8 @@ import os
 import signal
 import time
 
+from ansible_collections.llama.cluster.plugins.module_utils.llama_job import protocol
+
 # The pair's clocks (Pair): a step every 0.2 s, so the stall limit is the floor, 2 s.
 STALL_FLOOR_S = 2.0
 # A checkpoint planned at 100 MB on a disk measured at 50 MB/s: a save may take
@@ -118,3 +120,12 @@ def test_without_min_nodes_a_node_lost_for_good_fails_the_run_naming_it(pair_fac
     assert master["phase"] == "failed", pair.logs()
     assert master["reason"]["away"] == ["w"]
     assert "no restart: w did not come back within 8 s" in master["reason"]["message"]
+
+
+def test_the_plays_ask_a_node_the_run_went_on_without_no_more() -> None:
+    # After a run that succeeded on fewer nodes, the play's report skips the node left out
+    # (job_gone) rather than wait on a machine that is gone.
+    lead = protocol.RankStatus(
+        job="t", host="m", rank=0, role="master", phase=protocol.Phase.SUCCEEDED, left_out=("w",)
+    )
+    assert lead.given_up() == ("w",)

@@ -302,7 +302,7 @@ class ActionModule(ActionBase):
             nodes=nodes,
             datasets=checked["datasets"],
             settings=settings,
-            min_nodes=int(asked["min_nodes"] or 0),
+            min_nodes=checked.get("min_nodes", 0),
         )
         plan.update(min_nodes=fewer["min_nodes"], fewer_nodes=fewer["fewer_nodes"])
         plan["summary"] = plan["summary"] + fewer["lines"]
@@ -352,6 +352,8 @@ class ActionModule(ActionBase):
             "staging": staging,
             "notes": notes,
             "run_id": "",
+            # Kept with the request: planning again for what is free (replan) plans it again.
+            "min_nodes": int(asked["min_nodes"] or 0),
         }
 
     def _claim(self, request: Mapping[str, Any]) -> str:

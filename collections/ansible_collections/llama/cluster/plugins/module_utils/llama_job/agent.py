@@ -271,10 +271,10 @@ class NodeAgent:
             for n in names
             if NAME.match(str(n))
         }
-        moved = set_aside(directory, list(why), target) if target else []
-        if moved:
-            said = ", ".join(f"{name} ({why[name]})" for name in moved)
-            self.say(f"set aside {said} in {target}")
+        moved = set_aside(directory, list(why), target) if target else {}
+        for folder in dict.fromkeys(moved.values()):
+            said = ", ".join(f"{name} ({why[name]})" for name, to in moved.items() if to == folder)
+            self.say(f"set aside {said} in {folder}")
         self.say(f"attempt {self.attempt} resumes from {self.resume_from or 'the beginning'}")
 
     def start_command(self) -> Ended | None:

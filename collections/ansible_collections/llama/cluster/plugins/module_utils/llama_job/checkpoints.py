@@ -6,6 +6,7 @@ aside (never deleting one) and continues from that step, passed to its command e
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -172,21 +173,31 @@ def set_aside_dir(directory: str, stamp: object) -> str | None:
     return os.path.join(os.path.dirname(directory.rstrip("/")), "set-aside", stamp)
 
 
-def set_aside(directory: str, names: list[str], target: str) -> list[str]:
-    """Move this node's checkpoints `names` out of `directory` into `target` (what was moved)."""
-    moved = []
+def set_aside(directory: str, names: list[str], target: str) -> dict[str, str]:
+    """Move this node's checkpoints `names` out of `directory` into `target`; where the
+    checkpoints' directory is a filesystem of its own (a rename cannot leave it), into
+    <directory>/set-aside/<the same stamp> instead, beside them (a continuation never reads
+    below `directory`'s own checkpoint-N). What was moved, each to where."""
+    moved = {}
     for name in names:
         source = os.path.join(directory, name)
-        if not NAME.match(name) or not os.path.isdir(source):
+        if not NAME.match(name) or not _is_directory(source):
             continue  # only checkpoint-N directories of this node's output are ever moved
-        os.makedirs(target, mode=0o750, exist_ok=True)
-        destination = os.path.join(target, name)
-        suffix = 1
-        while os.path.exists(destination):
-            destination = os.path.join(target, f"{name}.{suffix}")
-            suffix += 1
-        os.rename(source, destination)
-        moved.append(name)
+        for folder in (target, os.path.join(directory, "set-aside", os.path.basename(target))):
+            os.makedirs(folder, mode=0o750, exist_ok=True)
+            destination = os.path.join(folder, name)
+            suffix = 1
+            while os.path.lexists(destination):
+                destination = os.path.join(folder, f"{name}.{suffix}")
+                suffix += 1
+            try:
+                os.rename(source, destination)
+            except OSError as err:
+                if err.errno != errno.EXDEV:
+                    raise
+                continue
+            moved[name] = folder
+            break
     return moved
 
 

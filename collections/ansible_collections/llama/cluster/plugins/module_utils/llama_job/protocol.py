@@ -338,14 +338,16 @@ class RankStatus:
 
     def given_up(self) -> tuple[str, ...]:
         """The nodes this rank's agent gave up (a master's verdict): the one that fell silent (not
-        one whose agent closed its connection: that machine still answers), and those that did
-        not come back for a restart. The plays ask them no more."""
+        one whose agent closed its connection: that machine still answers), those that did not
+        come back for a restart, and those the run went on without (min_nodes). The plays ask
+        them no more."""
         reason = self.reason
         if reason is None:
-            return ()
+            return tuple(h for h in self.left_out if h != self.host)
         silent = reason.kind is FailureKind.VANISHED and reason.silent
         lost = [reason.node] if silent and reason.node else []
-        return tuple(h for h in dict.fromkeys([*lost, *reason.away]) if h != self.host)
+        away = [*lost, *reason.away, *self.left_out]
+        return tuple(h for h in dict.fromkeys(away) if h != self.host)
 
     def progress_line(self) -> str:
         """One human-readable progress line."""
