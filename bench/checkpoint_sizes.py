@@ -8,10 +8,10 @@ tests/unit/planner/test_checkpoint_sizes.py).
 
 Trains a few steps with LLaMA-Factory through the product's own launcher
 (roles/run_config/files/llama_launcher.py, one node of N processes under torchrun), saves one
-checkpoint, and prints one JSON entry: the model's parameter count and shape, the run's
-arguments, and the checkpoint's bytes by file (and in all). The GPU machine's commands are in
-tests/data/checkpoint_sizes.json, each entry's `command`; run them with the data of
-bench/make_model.py and paste the printed entry over the pending one.
+checkpoint, and prints one JSON entry for tests/data/checkpoint_sizes.json's `cpu_checkpoints`:
+the model's parameter count and shape, the run's arguments, and the checkpoint's bytes by file
+(and in all). The GPU machine's checkpoints (`checkpoints` there) come from
+bench/gpu/memory_grid.py, which saves one checkpoint of each point it trains.
 """
 
 from __future__ import annotations

@@ -55,6 +55,17 @@ SHAPES: dict[str, dict[str, int]] = {
         "vocab": 152064,
         "tied": 0,
     },
+    # Qwen3-8B's dimensions (the catalogue's qwen3-8b) in Qwen2's architecture (no q/k norms,
+    # 0.01 % of the weights): the 8B LoRA on a 24 GiB card (issue 46).
+    "8b": {
+        "hidden": 4096,
+        "layers": 36,
+        "heads": 32,
+        "kv_heads": 8,
+        "intermediate": 12288,
+        "vocab": 151936,
+        "tied": 0,
+    },
     # Qwen2.5-14B: a 14B-class model for QLoRA on a 24 GiB card (issue 38).
     "14b": {
         "hidden": 5120,

@@ -6,7 +6,8 @@
 
 Each cell is what `train.yml -e model=M` plans for one GPU of that size (one node, the node
 stack's bitsandbytes and liger-kernel installed, numerics measured, the default 8,192 tokens per
-optimizer step): the DeepSpeed stage, the memory-saving technique, micro-batch x accumulation,
+optimizer step, a run of 3 epochs over 50,000 records, long enough to repay torch.compile where
+it was measured): the DeepSpeed stage, the memory-saving technique, micro-batch x accumulation,
 checkpointing, the predicted tokens/s, and the tokens/s measured on the H200 under that card's
 memory cap where a point of the same configuration ran alone (tests/data/cards_grid.json and
 memory_grid.json, BENCHMARKS.md sections 5 and 10), else "planned, not measured".
@@ -18,6 +19,7 @@ table cannot drift from the planner. Run it with the controller's venv.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -60,10 +62,16 @@ KINDS = {
 STACK = {"bitsandbytes": "0.50.2", "liger-kernel": "0.8.5"}
 
 
+@functools.cache
+def group_vars(name: str) -> dict[str, Any]:
+    """One file of group_vars/all, read once (the dry run of bench/gpu plans many requests)."""
+    return yaml.safe_load((ROOT / "group_vars" / "all" / f"{name}.yml").read_text())
+
+
 def settings() -> dict[str, Any]:
     """The planner's settings from group_vars/all, as the run_plan action reads them."""
-    training = yaml.safe_load((ROOT / "group_vars/all/training.yml").read_text())
-    models = yaml.safe_load((ROOT / "group_vars/all/models.yml").read_text())
+    training = group_vars("training")
+    models = group_vars("models")
     return {
         "catalogue": models["models_catalogue"],
         "defaults": training["training_defaults"],
@@ -74,9 +82,14 @@ def settings() -> dict[str, Any]:
     }
 
 
+# The records of the run each cell plans (its length decides torch.compile).
+RECORDS = 50000
+
+
 def request(model: str, extra: dict[str, Any]) -> dict[str, Any]:
-    training = yaml.safe_load((ROOT / "group_vars/all/training.yml").read_text())
+    training = group_vars("training")
     return {
+        "dataset_records": RECORDS,
         "model": model,
         "deepspeed": "auto",
         "train_args": {},
@@ -115,12 +128,14 @@ def measured(points: list[dict[str, Any]], p: dict[str, Any], model: str, cap: i
             and point.get("optim", "adamw_torch") == tech["optim"]
             and bool(point.get("liger")) == tech["liger"]
             and int(point.get("quant") or 0) == tech["quantization_bit"]
+            and bool(point.get("compile")) == p["torch_compile"]
+            and not point.get("fp8")
             and point["checkpointing"] == p["gradient_checkpointing"]
             and point["micro_batch"] == args.get("per_device_train_batch_size")
             and point["cap_gib"] == cap
         )
         if same and point.get("tokens_per_s"):
-            return f"measured {point['tokens_per_s']:,.0f}"
+            return f"measured {point['tokens_per_s']:,.0f}" + point.get("on", "")
     return ""
 
 
@@ -143,8 +158,10 @@ def cell(model: str, extra: dict[str, Any], gib: float, points: list[dict[str, A
 
 def table() -> str:
     points = []
-    for name in ("cards_grid.json", "memory_grid.json"):
-        points += json.loads((ROOT / "tests" / "data" / name).read_text())["points"]
+    for name in ("cards_grid.json", "memory_grid.json", "compile_grid.json"):
+        data = json.loads((ROOT / "tests" / "data" / name).read_text())
+        on = " on an H100" if "H100" in data.get("gpu", "") else ""  # the others: one H200
+        points += [{**point, "on": on} for point in data["points"]]
     lines = [
         "| model | fine-tuning | " + " | ".join(CARDS) + " |",
         "|---|---|" + "---|" * len(CARDS),

@@ -48,7 +48,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 import analyse  # this folder is not a package: imported from the path set above
+import dry
+import make_model
 
 ROOT = Path(__file__).resolve().parents[2]
 NO_MULTICAST = {
@@ -203,7 +206,8 @@ GPU_MODE = Mode(
     # train.yml): 3 epochs are thousands of optimizer steps, a run long enough for any
     # rule that weighs torch.compile's compilation against the steps it speeds up.
     samples=12000,
-    sizes={"1.5b": "1.5b", "0.5b": "0.5b", "7b": "7b"},
+    # Every shape bench/make_model.py makes is a size a goal may train.
+    sizes={size: size for size in make_model.SHAPES if size != "tiny"},
     product=Box(warmup=8, min_steps=15, seconds=12, cap=270, profile_step=5),
     # The example is not profiled: its steps (dozens of checkpointed micro-batches) make
     # traces of 100 MB, and the goals are about where train.yml's step goes.
@@ -246,6 +250,8 @@ class Ctx:
     def __init__(self, args: argparse.Namespace) -> None:
         """Set up the folders of this call."""
         self.mode = MODES[args.mode]
+        # The dry run (dry.py): every phase's own code, planned and checked instead of launched.
+        self.dry = bool(getattr(args, "dry", False))
         self.out = args.out.resolve()
         self.work = args.work.resolve()
         self.results = self.out / "results"
@@ -267,7 +273,8 @@ class Ctx:
         for path in (self.results, self.models, self.data_dir):
             path.mkdir(parents=True, exist_ok=True)
         # Logical nodes of the scaling phase: one per GPU (the dry run: two CPU "nodes").
-        self.nodes = args.nodes or (gpu_count() if self.mode.name == "gpu" else 2)
+        gpu = self.mode.name == "gpu" and not self.dry
+        self.nodes = args.nodes or (gpu_count() if gpu else 2)
         # Models still being generated (setup starts them; a phase waits for its own).
         self.pending: dict[str, subprocess.Popen[bytes]] = {}
 
@@ -589,6 +596,13 @@ def product(
     dest.mkdir(parents=True, exist_ok=True)
     cmd = product_command(ctx, goal, nodes=nodes, deepspeed=deepspeed, steps=steps, box=box)
     (dest / "command.json").write_text(json.dumps(cmd, indent=1) + "\n")
+    if ctx.dry:
+        planned = dry.product(
+            dest, cmd, cap=ctx.gpu_memory_gib, nodes=nodes, records=ctx.mode.samples
+        )
+        plan = read_json(dest / "plan.json")
+        planned["rendered"] = rendered(read_yaml(dest / "train.yaml"), plan)
+        return save(dest, {"model": goal.model, "nodes": nodes, **planned})
     before = set(ctx.runs_dir.iterdir()) if ctx.runs_dir.exists() else set()
     wait_gpu_idle(ctx)
     smi = SmiSampler(ctx)
@@ -736,6 +750,14 @@ def save(dest: Path, result: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def sample_tokens(ctx: Ctx, size: str, cutoff: int) -> list[int]:
+    """Tokens of every sample of the call's data for the model of `size` (the dry run: the
+    data's mean, with no model to tokenise with)."""
+    if ctx.dry:
+        return [min(cutoff, dry.SAMPLE_TOKENS)] * ctx.mode.samples
+    return sample_lengths(ctx.models / ctx.mode.sizes[size], ctx.data, cutoff)
+
+
 def sample_lengths(model_dir: Path, data: Path, cutoff: int) -> list[int]:
     """Tokens of each sample as LLaMA-Factory's qwen template renders it, cut at `cutoff`.
 
@@ -801,6 +823,9 @@ def example(
         " step; measuring settings as in bench/gpu/harness.py MEASURE\n"
         + yaml.safe_dump(cfg, sort_keys=False)
     )
+    if ctx.dry:
+        rendered_keys = {k: cfg[k] for k in PROFILE_KEYS if k in cfg}
+        return save(dest, {**dry.example(cfg), "model": goal.model, "rendered": rendered_keys})
     env = run_env(ctx)
     port = ctx.next_port()
     env.update(
@@ -947,7 +972,7 @@ def goal_phase(ctx: Ctx, key: str) -> dict[str, Any]:
     prod = product(ctx, dest / "train_yml", goal, box=ctx.mode.product, reserve=EXAMPLE_RESERVE)
     say(f"goal {key}: train.yml -> {short(prod)}")
     cutoff = int(prod.get("rendered", {}).get("cutoff_len") or 2048)
-    lengths = sample_lengths(ctx.models / ctx.mode.sizes[goal.size], ctx.data, cutoff)
+    lengths = sample_tokens(ctx, goal.size, cutoff)
     mean_len = sum(lengths) / len(lengths)
     real_tokens(prod, dest / "train_yml", lengths)
     default = EXAMPLES[goal.finetuning]["gradient_accumulation_steps"]
@@ -1004,7 +1029,7 @@ def scale_phase(ctx: Ctx) -> dict[str, Any] | None:
     goal = GOALS["1.5b"]
     res = product(ctx, ctx.results / "scale-1.5b", goal, nodes=ctx.nodes, box=ctx.mode.product)
     cutoff = int(res.get("rendered", {}).get("cutoff_len") or 2048)
-    lengths = sample_lengths(ctx.models / ctx.mode.sizes[goal.size], ctx.data, cutoff)
+    lengths = sample_tokens(ctx, goal.size, cutoff)
     real_tokens(res, ctx.results / "scale-1.5b", lengths)
     add_mfu(ctx, res, goal, context(res, cutoff, lengths), ctx.nodes)
     return save(ctx.results / "scale-1.5b", res)
@@ -1034,7 +1059,13 @@ def phase_sizes(ctx: Ctx, phase: str) -> set[str]:
 
 
 def start_models(ctx: Ctx, sizes: set[str]) -> None:
-    """Generate the models that are not there yet, in the background (ctx.pending)."""
+    """Generate the models that are not there yet, in the background (ctx.pending); the dry run
+    only checks that make_model.py has their shapes."""
+    unknown = sizes - set(make_model.SHAPES) - {"cpu_adam"}
+    if unknown:
+        raise ValueError(f"no model shape {', '.join(sorted(unknown))} in bench/make_model.py")
+    if ctx.dry:
+        return
     for size in sorted(sizes - {"cpu_adam"}):
         if (ctx.models / size / "bench_model.json").exists() or size in ctx.pending:
             continue
@@ -1073,6 +1104,9 @@ def setup_phase(ctx: Ctx, phases: list[str]) -> None:
     """
     dest = ctx.results / "setup"
     dest.mkdir(parents=True, exist_ok=True)
+    if ctx.dry:  # what setup runs (versions, facts playbook, models, data) is the CPU dry run's
+        say("setup: nothing to plan (the CPU dry run, PROFILE_MODE=cpu, runs it)")
+        return
     env = run_env(ctx)
     versions = subprocess.run(
         [ctx.python, "-c", VERSIONS], capture_output=True, text=True, check=False, env=env
@@ -1164,6 +1198,8 @@ def pack(ctx: Ctx) -> None:
     import report  # noqa: PLC0415  (beside this file)
 
     report.write(ctx.results, ctx.out, ctx.mode.name)
+    if ctx.dry:  # nothing to bring back
+        return
     tarball = ctx.out / "profile.tar.gz"
     for with_traces in (True, False):
         with tarfile.open(tarball, "w:gz") as tar:
@@ -1243,6 +1279,7 @@ def main() -> int:
         "--gpu-memory-gib", type=float, help="set gpu_memory_gib (the planning knob) on the nodes"
     )
     r.add_argument("--nodes", type=int, help="logical nodes of scale-1.5b (default: the GPUs)")
+    r.add_argument("--dry", action="store_true", help="plan and check each launch (dry.py)")
     r.add_argument("--product-extra", help="JSON extra vars for every train.yml run")
     r.add_argument("phases", nargs="*")
     rep = sub.add_parser("report", help="rewrite summary.md/results.json/loss.png from results/")

@@ -213,6 +213,9 @@ class Point:
     steps: int = STEPS
     seed: int = 42
     alone: bool = False  # timed: starts on an idle GPU, and nothing starts beside it
+    compile: bool = False  # torch_compile (issue 46): the first steps compile
+    fp8: bool = False  # fp8 (torchao) as train.yml renders it: bf16 off, ACCELERATE_MIXED_PRECISION
+    save: bool = False  # one checkpoint after the last step, its files measured (issue 44)
 
     @property
     def name(self) -> str:
@@ -226,6 +229,9 @@ class Point:
             f"q{self.quant}" if self.quant else "",
             "liger" if self.liger else "",
             f"{self.steps}steps-seed{self.seed}" if self.steps != STEPS else "",
+            "compile" if self.compile else "",
+            "fp8" if self.fp8 else "",
+            "save" if self.save else "",
             "alone" if self.alone else "",
         ]
         return "-".join([name, *[e for e in extras if e]])
@@ -249,7 +255,10 @@ class Point:
         if self.offload:
             per_step += 0.6 * size if self.finetuning == "full" else 0.3 * size
         load = 4 * size * (1.2 if self.quant else 1)
-        return 35 + load + self.steps * per_step
+        # Compilation (BENCHMARKS.md section 7: 84 s full, 126 s LoRA; FP8 about 4 minutes).
+        compiling = (240 if self.fp8 else 90 if self.finetuning == "full" else 130) * self.compile
+        saving = 6 * size if self.save else 0
+        return 35 + load + compiling + saving + self.steps * per_step
 
 
 SIZES_B = {
@@ -413,7 +422,39 @@ SMOKE_CARDS = [
     _p("tiny full none ckpt 2x256 24 steps=12 seed=43"),
     _p("tiny full none nockpt 1x256 24 alone=true"),
 ]
-GRIDS = {"memory": (GRID, SMOKE), "cards": (CARDS, SMOKE_CARDS), "cards2": (CARDS2, SMOKE_CARDS)}
+# Issue 46: torch.compile with the memory-saving techniques on a 24 GiB card, each timed alone
+# beside its uncompiled twin (the ratio is the compile saving the cost model learns); first, side
+# by side while the models are generated, one checkpoint each of a full fine-tune with 8-bit
+# AdamW, a LoRA and a QLoRA (issue 44's checkpoint sizes); last, FP8 compiled, whose first step
+# is the question.
+_8BIT_LIGER = "optim=adamw_8bit liger=true"
+COMPILE = [
+    _p(s)
+    for s in (
+        "0.5b full none ckpt 1x2048 16 optim=adamw_8bit steps=2 save=true",
+        "0.5b lora none ckpt 1x2048 16 steps=2 save=true",
+        "0.5b lora none ckpt 1x2048 16 quant=4 steps=2 save=true",
+        f"1.5b full none ckpt 4x2048 24 {_8BIT_LIGER} alone=true",
+        f"1.5b full none ckpt 4x2048 24 {_8BIT_LIGER} compile=true steps=10 alone=true",
+        "8b lora none ckpt 4x2048 24 liger=true alone=true",
+        "8b lora none ckpt 4x2048 24 liger=true compile=true steps=10 alone=true",
+        "1.5b full none ckpt 2x2048 24 optim=adamw_8bit compile=true steps=10 alone=true",
+        "1.5b full none ckpt 2x2048 24 optim=adamw_8bit alone=true",
+        "8b lora none ckpt 2x2048 24 compile=true steps=10 alone=true",
+        "1.5b full none nockpt 4x2048 80 fp8=true compile=true steps=10 alone=true",
+    )
+]
+SMOKE_COMPILE = [
+    _p("tiny full none ckpt 1x256 24 steps=2 save=true"),
+    _p("tiny lora none ckpt 1x256 24 steps=2 save=true"),
+    _p("tiny full none ckpt 2x256 24 steps=4 alone=true"),
+]
+GRIDS = {
+    "memory": (GRID, SMOKE),
+    "cards": (CARDS, SMOKE_CARDS),
+    "cards2": (CARDS2, SMOKE_CARDS),
+    "compile": (COMPILE, SMOKE_COMPILE),
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -429,6 +470,31 @@ def _status_kib(field: str) -> int:
     return 0
 
 
+# What a checkpoint's files hold, by name (the Trainer's and PEFT's file names).
+CHECKPOINT_KINDS = (
+    ("weights", ("model", "adapter_model", "pytorch_model")),
+    ("optimizer", ("optimizer",)),
+    ("scheduler", ("scheduler",)),
+    ("rng", ("rng_state",)),
+)
+
+
+def checkpoint_sizes(folder: Path) -> dict[str, Any]:
+    """Bytes on disk of one checkpoint folder by kind of file (weights, optimizer, scheduler,
+    rng, other: trainer state, configs, tokenizer), and each file's size."""
+    sizes: dict[str, Any] = {"folder": folder.name, "files": {}}
+    for path in sorted(folder.rglob("*")) if folder.is_dir() else []:
+        if not path.is_file():
+            continue
+        size = path.stat().st_size
+        sizes["files"][str(path.relative_to(folder))] = size
+        kind = next(
+            (k for k, prefixes in CHECKPOINT_KINDS if path.name.startswith(prefixes)), "other"
+        )
+        sizes[kind] = sizes.get(kind, 0) + size
+    return sizes
+
+
 def entry(config_path: Path) -> None:
     """Train one point (under torchrun) and write its record to $GRID_RESULT.
 
@@ -440,6 +506,7 @@ def entry(config_path: Path) -> None:
     import torch  # noqa: PLC0415
     import yaml  # noqa: PLC0415
 
+    began = time.perf_counter()
     result = Path(os.environ["GRID_RESULT"])
     cap = float(os.environ["GRID_CAP_GIB"])
     gpu = torch.cuda.is_available()
@@ -476,6 +543,7 @@ def entry(config_path: Path) -> None:
             if gpu:
                 torch.cuda.synchronize()
             self.last = time.perf_counter()
+            record["train_begin_s"] = round(self.last - began, 1)
             record["load_peak_allocated_gib"] = (
                 round(torch.cuda.max_memory_allocated() / GIB, 3) if gpu else 0.0
             )
@@ -484,13 +552,15 @@ def entry(config_path: Path) -> None:
             """The loss of every step (logging_steps 1); after the last one the process leaves."""
             if logs and "loss" in logs:
                 record.setdefault("losses", []).append([state.global_step, float(logs["loss"])])
-            if state.global_step >= state.max_steps:
+            if state.global_step >= state.max_steps and not saving:
                 leave()
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:  # noqa: ANN401
             if gpu:
                 torch.cuda.synchronize()
             now = time.perf_counter()
+            if not record["steps"]:  # time to first step: start-up, load and compilation
+                record["first_step_at_s"] = round(now - began, 1)
             record["steps"].append(round(now - self.last, 4))
             self.last = now
             write("ok" if state.global_step >= state.max_steps else "running")
@@ -501,6 +571,7 @@ def entry(config_path: Path) -> None:
         os._exit(0)
 
     config = yaml.safe_load(config_path.read_text())
+    saving = config.get("save_strategy", "no") != "no"
     from llamafactory.train.tuner import run_exp  # noqa: PLC0415
 
     write("loading")
@@ -511,6 +582,10 @@ def entry(config_path: Path) -> None:
         record["error"] = text[-600:]
         write("oom" if "out of memory" in text.lower() else "error")
         raise
+    if saving:  # the run's last step saved one checkpoint (status "ok" since that step)
+        record["checkpoint"] = checkpoint_sizes(
+            Path(config["output_dir"]) / f"checkpoint-{config['max_steps']}"
+        )
     if record["status"] == "ok":  # the last step logged no loss: it ended all the same
         leave()
     record["error"] = "training ended before max_steps"
@@ -613,6 +688,12 @@ def train_config(point: Point, model: Path, data: Path, out: Path, gpu: bool) ->
         cfg.update({"quantization_bit": point.quant, "quantization_method": "bnb"})
     if point.liger:
         cfg["enable_liger_kernel"] = True
+    if point.compile:
+        cfg["torch_compile"] = True
+    if point.fp8:  # planner/decisions.py FP8_TRAIN_ARGS (and its environment: Grid.launch)
+        cfg.update({"fp8": True, "fp8_backend": "torchao", "bf16": False})
+    if point.save:  # one checkpoint at the last step, as train.yml's runs save them
+        cfg.update({"save_strategy": "steps", "save_steps": point.steps, "save_only_model": False})
     if point.stage != "none":
         ds = {
             "train_batch_size": "auto",
@@ -645,6 +726,14 @@ class Gpu:
             self.handle = pynvml.nvmlDeviceGetHandleByIndex(0)
         except Exception:
             self.nvml = None
+
+    def shared_gib(self) -> float:
+        """What caps may share: SHARED_GIB of an H200, less on a card with less memory (an H100
+        reports 79.2 GiB), keeping the same 6.4 GiB for contexts and model generation."""
+        if self.nvml is None:
+            return SHARED_GIB
+        total = self.nvml.nvmlDeviceGetMemoryInfo(self.handle).total / GIB
+        return min(SHARED_GIB, total - 6.4)
 
     def used(self) -> dict[int, int]:
         """Bytes of GPU memory each process holds now."""
@@ -696,10 +785,10 @@ class Grid:
             self.points = [p for p in self.points if p.name in set(args.only)]
         self.results = self.work / "results.jsonl"
         self.gpu = Gpu()
+        self.shared = self.gpu.shared_gib()
         self.running: list[Running] = []
         self.port = 29600
-        self.generating: subprocess.Popen | None = None
-        self.generate_gib = GENERATE_GIB
+        self.generating: dict[str, subprocess.Popen] = {}
         self.cpu_adam: subprocess.Popen | None = None
         self.out.mkdir(parents=True, exist_ok=True)
         self.log = (self.out / "grid.log").open("a")
@@ -725,22 +814,31 @@ class Grid:
         env["FORCE_TORCHRUN"] = "1"
         return env
 
+    def generators(self) -> dict[str, subprocess.Popen]:
+        """The model generations still running, by shape."""
+        self.generating = {k: p for k, p in self.generating.items() if p.poll() is None}
+        return self.generating
+
+    def generate_gib(self) -> float:
+        """GPU memory the running generations may hold."""
+        return sum(2.2 * SIZES_B[shape] + 4 for shape in self.generators())
+
     def next_model(self, pending: list[Point]) -> None:
-        """Start generating the next model a pending point needs (one at a time)."""
-        if self.generating is not None and self.generating.poll() is None:
-            return
-        self.generating = None
+        """Start generating the models pending points need, in their order, side by side while
+        they take at most half the card (so the points that wait for them can still start)."""
         for shape in dict.fromkeys(p.shape for p in pending):
-            if not self.model_dir(shape).exists():
-                self.say(f"generating model {shape}")
-                self.generate_gib = 2.2 * SIZES_B[shape] + 4
-                self.generating = subprocess.Popen(
-                    [sys.executable, __file__, "make-model", shape, str(self.model_dir(shape))],
-                    env=self.env(),
-                    stdout=(self.work / f"make_model_{shape}.log").open("w"),
-                    stderr=subprocess.STDOUT,
-                )
+            if self.model_dir(shape).exists() or shape in self.generators():
+                continue
+            need = 2.2 * SIZES_B[shape] + 4
+            if self.generating and self.generate_gib() + need > self.shared / 2:
                 return
+            self.say(f"generating model {shape}")
+            self.generating[shape] = subprocess.Popen(
+                [sys.executable, __file__, "make-model", shape, str(self.model_dir(shape))],
+                env=self.env(),
+                stdout=(self.work / f"make_model_{shape}.log").open("w"),
+                stderr=subprocess.STDOUT,
+            )
 
     def launch(self, point: Point, data: Path) -> None:
         run_dir = self.work / "points" / point.name
@@ -758,6 +856,10 @@ class Grid:
                 "HF_DATASETS_CACHE": str(run_dir / "hf"),
             }
         )
+        if point.fp8:  # what the planner sets in the ranks' environment (choose_fp8)
+            env["ACCELERATE_MIXED_PRECISION"] = "fp8"
+        if point.compile:  # why a compiled run takes long to its first step, if it does
+            env["TORCH_LOGS"] = "recompiles,graph_breaks"
         self.port += 1
         cmd = [
             sys.executable,
@@ -868,9 +970,9 @@ class Grid:
     def start_ready(self, pending: list[Point], data: Path, waited: dict[str, float]) -> None:
         """Start, in grid order, the pending points whose model, memory and time allow."""
         now = time.monotonic()
-        gen = self.generating is not None and self.generating.poll() is None
-        free = SHARED_GIB - sum(r.point.cap_gib for r in self.running)
-        free -= self.generate_gib if gen else 0.0
+        gen = bool(self.generators())
+        free = self.shared - sum(r.point.cap_gib for r in self.running)
+        free -= self.generate_gib()
         adam_ready = self.cpu_adam is None or self.cpu_adam.poll() is not None
         head_blocked = False
         # One offload point at a time: each holds tens of GiB of host memory (the first call
@@ -888,7 +990,7 @@ class Grid:
                 continue
             if now + p.seconds() > self.deadline:
                 continue
-            need = min(p.cap_gib, SHARED_GIB)
+            need = min(p.cap_gib, self.shared)
             if need <= free and not head_blocked:
                 pending.remove(p)
                 self.launch(p, data)
@@ -904,7 +1006,7 @@ class Grid:
 
     def stuck(self, pending: list[Point]) -> bool:
         """Nothing runs or is generated, and no pending point fits the time left."""
-        if self.running or (self.generating is not None and self.generating.poll() is None):
+        if self.running or self.generators():
             return False
         now = time.monotonic()
         ready = [p for p in pending if self.model_dir(p.shape).exists()]

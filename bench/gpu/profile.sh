@@ -6,6 +6,9 @@
 #   bash bench/gpu/profile.sh setup goal-1.5b goal-0.5b shard-none shard-zero2
 # Here, the dry run on the CPU with the tiny model (same phases, local connection):
 #   PROFILE_MODE=cpu bash bench/gpu/profile.sh setup goal-0.5b shard-zero2
+# Here, in seconds, any command left for the GPU machine: each phase planned and checked, not
+# launched (bench/gpu/dry.py; bench/tests/test_dry_run.py runs every phase so in CI):
+#   PROFILE_MODE=dry BENCH=baselines GPU_CAP_GIB=24 bash bench/gpu/profile.sh setup cards24-14blora
 # Issue 21's baselines (a)-(d) and targets (bench/gpu/baselines.py):
 #   BENCH=baselines bash bench/gpu/profile.sh setup base-1.5b
 #   BENCH=baselines GPU_CAP_GIB=24 bash bench/gpu/profile.sh setup target-1.5b
@@ -32,14 +35,18 @@ if [[ $mode == gpu ]]; then
     || { echo "wheel install failed"; exit 1; }
   python=$env/bin/python3 playbook=$env/bin/ansible-playbook
   base=/opt/llama-cluster work=/tmp/profile-work
+elif [[ $mode == dry ]]; then
+  python=${PYTHON:-$PWD/.venv/bin/python} playbook=ansible-playbook
+  base=/opt/llama-cluster work=$(mktemp -d)
 else
   cache=${LLAMA_CLUSTER_CACHE:-$HOME/.cache/llama-cluster}
   python=${LLAMA_CLUSTER_TRAIN_PYTHON:-$cache/venv-train/bin/python}
   playbook=$PWD/.venv/bin/ansible-playbook
   base=${DRY_BASE:-/tmp/gpu-dry/cluster} work=${DRY_WORK:-/tmp/gpu-dry/work}
 fi
-args=(run --mode "$mode" --playbook "$playbook" --out "$out" --work "$work" --base-dir "$base"
-      --deadline-s "${DEADLINE_S:-480}")
+args=(run --mode "${mode/dry/gpu}" --playbook "$playbook" --out "$out" --work "$work"
+      --base-dir "$base" --deadline-s "${DEADLINE_S:-480}")
+[[ $mode == dry ]] && args+=(--dry)
 [[ -n ${GPU_MEMORY_GIB:-} ]] && args+=(--gpu-memory-gib "$GPU_MEMORY_GIB")
 [[ -n ${PRODUCT_EXTRA:-} ]] && args+=(--product-extra "$PRODUCT_EXTRA")
 # BENCH=baselines runs bench/gpu/baselines.py (issue 21's comparisons; GPU_CAP_GIB emulates a

@@ -313,7 +313,7 @@ def main() -> int:
     print(f"{len(wheels)} wheels, {whl_bytes / 2**20:.1f} MiB in {args.dest}")
     print(
         f"a device call sends {total / 2**20:.1f} MiB: working tree {tree / 2**20:.1f} MiB"
-        f" + carried {' '.join(str(p.relative_to(ROOT)) for p in carried)} {extra / 2**20:.1f} MiB"
+        f" + carried {' '.join(os.path.relpath(p, ROOT) for p in carried)} {extra / 2**20:.1f} MiB"
         f" (limit {LIMIT_BYTES / 2**20:.0f} MiB)"
     )
     if total > LIMIT_BYTES:

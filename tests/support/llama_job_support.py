@@ -102,7 +102,8 @@ print(host, "done")
 """
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -124,8 +125,8 @@ class Pair:
         **env: str,
     ) -> None:
         self.tmp = tmp
-        self.gate = _free_port()
-        self.watchdog = _free_port()
+        self.gate = free_port()
+        self.watchdog = free_port()
         (tmp / "job.py").write_text(JOB)
         self.progress = tmp / "trainer_log.jsonl"
         self.procs: dict[str, subprocess.Popen] = {}
@@ -150,7 +151,8 @@ class Pair:
                 "nnodes": 2,
                 "role": "master" if master else "worker",
                 "master": {"host": "m", "address": "127.0.0.1"},
-                "peers": ["w"] if master else [],
+                "peers": {"w": "127.0.0.1"} if master else {},
+                "address": "127.0.0.1",
                 "watchdog_port": self.watchdog,
                 "master_port": self.gate,
                 "gate_port": self.gate if master else None,

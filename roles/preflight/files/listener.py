@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""A TCP listener for the preflight: accepts connections on the master port, records who came.
+"""A TCP listener for the preflight: accepts connections on the master port of the master's
+cluster address (never every interface), records who came.
 
 Writes "ready" (or "error: ...") to the state file once bound, then accepts until every expected
 peer address has connected or the timeout passed, and prints one JSON line: the expected peers
@@ -46,23 +47,27 @@ def listen(server: socket.socket, expected: Iterable[str], timeout: float) -> di
 
 
 def main() -> int:
-    """Listen, record peers, report as JSON; exit 2 when the port cannot be bound."""
+    """Listen, record peers, report as JSON; exit 2 when the address and port cannot be bound."""
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--address", required=True, help="the master's cluster address")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--peers", default="", help="the addresses to wait for, comma-separated")
     parser.add_argument("--timeout", type=float, required=True, help="seconds to listen at most")
     parser.add_argument("--state-file", required=True)
     args = parser.parse_args()
 
-    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    family = socket.AF_INET6 if ":" in args.address else socket.AF_INET
+    server = socket.socket(family, socket.SOCK_STREAM)
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        server.bind(("0.0.0.0", args.port))  # every interface, as torchrun binds its store
+        # The cluster address only, where the workers connect to: never every interface.
+        server.bind((args.address, args.port))
         server.listen(64)
     except OSError as err:
         with open(args.state_file, "w", encoding="utf-8") as state:
-            state.write(f"error: port {args.port}: {err.strerror}\n")
-        print(json.dumps({"port": args.port, "error": err.strerror}))
+            state.write(f"error: {args.address}:{args.port}: {err.strerror}\n")
+        print(json.dumps({"port": args.port, "address": args.address, "error": err.strerror}))
+        server.close()
         return 2
     with open(args.state_file, "w", encoding="utf-8") as state:
         state.write("ready\n")

@@ -76,9 +76,14 @@ def _challenge(sock: socket.socket) -> str:
         chunk = sock.recv(4096)
         assert chunk, "the master closed before its challenge"
         line += chunk
-    _seq, body = wire.unseal(KEY, JOB_ID, line, 0)
+    _seq, body = wire.unseal(KEY, wire.context(JOB_ID, "", "m", "w"), line, 0)
     assert body["t"] == "challenge"
     return body["nonce"]
+
+
+def _from_w(nonce: str) -> str:
+    """The context of what w sends the master on the connection of challenge `nonce`."""
+    return wire.context(JOB_ID, nonce, "w", "m")
 
 
 def _closed_by_peer(sock: socket.socket, within: float = 10) -> bool:
@@ -95,7 +100,8 @@ def _closed_by_peer(sock: socket.socket, within: float = 10) -> bool:
 
 
 def _hello(context: str, seq: int = 1, key: bytes = KEY, host: str = "w") -> bytes:
-    body = {"t": "hello", "host": host, "rank": 1, "phase": "waiting", "attempt": 1, "nonce": "n"}
+    body = {"t": "hello", "host": host, "rank": 1, "phase": "waiting", "attempt": 1}
+    body["nonce"] = "0" * 32
     return wire.seal(key, context, seq, body)
 
 
@@ -161,19 +167,19 @@ def _attack(port: int, log: list[str]) -> None:
     # connection, and one with an old sequence number: each refused, the connection closed.
     with _connect(port) as sock:
         nonce = _challenge(sock)
-        sock.sendall(_hello(f"{JOB_ID}:{nonce}", key=b"guess"))
+        sock.sendall(_hello(_from_w(nonce), key=b"guess"))
         assert _closed_by_peer(sock)
     with _connect(port) as sock:
         nonce = _challenge(sock)
-        sock.sendall(_abort(f"{JOB_ID}:{nonce}", key=b"guess"))
+        sock.sendall(_abort(_from_w(nonce), key=b"guess"))
         assert _closed_by_peer(sock)
     with _connect(port) as first, _connect(port) as second:
-        stale = _hello(f"{JOB_ID}:{_challenge(first)}")
+        stale = _hello(_from_w(_challenge(first)))
         _challenge(second)
         second.sendall(stale)  # valid, but for the first connection
         assert _closed_by_peer(second)
     with _connect(port) as sock:
-        sock.sendall(_hello(f"{JOB_ID}:{_challenge(sock)}", seq=0))
+        sock.sendall(_hello(_from_w(_challenge(sock)), seq=0))
         assert _closed_by_peer(sock)
     log.append("wrong key, forged exit, replayed hello, old sequence: refused")
 
@@ -250,12 +256,13 @@ class FakeMaster:
                 return
             with sock:
                 nonce = "c" * 32
+                first = wire.context(JOB_ID, "", "m", "w")
                 sock.sendall(
                     self.challenge
-                    or wire.seal(self.key, JOB_ID, 1, {"t": "challenge", "nonce": nonce})
+                    or wire.seal(self.key, first, 1, {"t": "challenge", "nonce": nonce})
                 )
-                context = f"{JOB_ID}:{nonce}"
-                welcome = {"t": "welcome", "phase": "running", "attempt": 1, "nonce": "old"}
+                context = wire.context(JOB_ID, nonce, "m", "w")
+                welcome = {"t": "welcome", "phase": "running", "attempt": 1, "nonce": "0" * 32}
                 with contextlib.suppress(OSError):
                     if sock.recv(65536):
                         self.helloed += 1
@@ -283,6 +290,7 @@ def test_a_worker_refuses_a_watchdog_that_is_not_its_master(
     spec = {
         "job": JOB_ID, "host": "w", "rank": 1, "nnodes": 2, "role": "worker",
         "master": {"host": "m", "address": "127.0.0.1"}, "watchdog_port": fake.port,
+        "address": "127.0.0.1",
         "token": KEY.decode(), "command": [sys.executable, str(tmp_path / "job.py"), "w", ""],
         "env_file": str(tmp_path / "w.env"), "cwd": str(tmp_path), "log": str(tmp_path / "w.log"),
         "state": str(tmp_path / "w.state.json"), "max_restarts": 0,
@@ -307,16 +315,24 @@ def test_a_worker_refuses_a_watchdog_that_is_not_its_master(
 
 def test_a_message_sent_again_on_its_connection_is_refused():
     left, right = socket.socketpair()
-    sender, receiver = Link(left, KEY, "t:c"), Link(right, KEY, "t:c")
-    assert sender.send({"t": "beat", "attempt": 1})
+    sender = Link(left, KEY, "t", from_master=False)
+    receiver = Link(right, KEY, "t", from_master=False)
+    sender.send_context = receiver.recv_context = wire.context("t", "c", "w", "m")
+    assert sender.send({"t": "beat", "phase": "running", "attempt": 1})
     line = right.recv(65536)
     assert receiver.open(line)["t"] == "beat"
     with pytest.raises(wire.BadMessage, match="replayed"):
         receiver.open(line)
-    with pytest.raises(wire.BadMessage, match="bad mac"):
-        Link(right, b"other", "t:c").open(line)
-    with pytest.raises(wire.BadMessage, match="bad mac"):
-        Link(right, KEY, "t:other-connection").open(line)
+    for key, context in (
+        (b"other", wire.context("t", "c", "w", "m")),  # another key
+        (KEY, wire.context("t", "other-connection", "w", "m")),
+        (KEY, wire.context("t", "c", "m", "w")),  # reflected: the other direction
+        (KEY, wire.context("t", "c", "x", "m")),  # another sender
+    ):
+        other = Link(right, key, "t", from_master=False)
+        other.recv_context = context
+        with pytest.raises(wire.BadMessage, match="bad mac"):
+            other.open(line)
     assert receiver.lines(b"x" * (wire.MAX_LINE + 1)) is None  # no newline, too long
     left.close()
     right.close()

@@ -20,7 +20,7 @@ from ansible_collections.llama.cluster.plugins.module_utils.llama_job import (
 )
 from ansible_collections.llama.cluster.plugins.module_utils.llama_job import spec as job_spec
 
-from tests.support.llama_job_support import TOOL, _free_port
+from tests.support.llama_job_support import TOOL, free_port
 
 # A service is rank 0 of 1 with no peers: its agent keeps no heartbeats and listens on no watchdog
 # port, the gate is the service's own port, a service that dies is started again while restarts are
@@ -49,7 +49,7 @@ class Service:
 
     def __init__(self, tmp: Path, *, restarts: int = 0, secret: bool = False) -> None:
         self.tmp = tmp
-        self.port = _free_port()
+        self.port = free_port()
         self.seen = tmp / "seen.txt"
         (tmp / "service.py").write_text(SERVICE)
         (tmp / "job.env").write_text(f'PORT="{self.port}"\n')
@@ -65,7 +65,7 @@ class Service:
             "nnodes": 1,
             "role": "master",
             "master": {"host": "n1", "address": "127.0.0.1"},
-            "peers": [],
+            "peers": {},
             "watchdog_port": 0,
             "master_port": self.port,
             "gate_port": self.port,

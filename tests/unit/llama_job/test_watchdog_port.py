@@ -38,6 +38,7 @@ from tests.unit.llama_job.test_llama_job_link import ISSUE_PROBES
 
 KEY = b"the job's secret"
 JOB = "train-20261205-120000-tiny"
+FIRST = wire.context(JOB, "", "m", "w")  # the master's challenge to w
 HELLO = {"host": "w", "rank": 1, "phase": "waiting", "attempt": 1}
 # Examples per property (each is one hostile connection, then one genuine handshake).
 HUB_EXAMPLES = 2000
@@ -161,7 +162,7 @@ class Master:
     def __init__(self) -> None:
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = self.server.getsockname()[1]
-        self.hub = Hub(self.server, KEY, JOB, peers=1)
+        self.hub = Hub(self.server, KEY, JOB, "m", {"w": "127.0.0.1"})
         self.events: queue.Queue = queue.Queue()
         self.hub.start(self.events)
         self.refused: Counter[str] = Counter()
@@ -178,7 +179,7 @@ class Master:
                            "nonce": body.get("nonce")})  # fmt: skip
 
     def genuine_worker_joins(self) -> bool:
-        link, why = connect("127.0.0.1", self.port, KEY, JOB, HELLO)
+        link, why = connect("127.0.0.1", self.port, KEY, JOB, HELLO, master="m")
         assert link is not None, why
         link.close()
         link.sock.close()
@@ -201,7 +202,7 @@ def master() -> Iterator[Master]:
 
 def _challenge(sock: socket.socket) -> str:
     """The master's challenge nonce on a new connection (its first line)."""
-    return wire.unseal(KEY, JOB, read_line(sock), 0)[1]["nonce"]
+    return wire.unseal(KEY, FIRST, read_line(sock), 0)[1]["nonce"]
 
 
 def _send(port: int, data: bytes, read_challenge: bool) -> None:
@@ -227,9 +228,9 @@ def test_no_bytes_stop_the_hub_from_welcoming_a_genuine_worker(master: Master) -
     @given(data=st.data(), read_challenge=st.booleans())
     def one_connection(data: st.DataObject, read_challenge: bool) -> None:
         with socket.create_connection(("127.0.0.1", master.port), timeout=5) as sock:
-            context = JOB
+            context = FIRST
             if read_challenge:
-                context = f"{JOB}:{_challenge(sock)}"
+                context = wire.context(JOB, _challenge(sock), "w", "m")
             lines = data.draw(st.lists(hostile_lines(context), min_size=1, max_size=4))
             with contextlib.suppress(OSError):  # the master may cut it off first
                 sock.sendall(b"".join(lines))
@@ -313,10 +314,10 @@ def fake() -> Iterator[FakeWatchdog]:
 def test_the_issue_probes_from_a_fake_master_are_a_refusal(
     fake: FakeWatchdog, probe: bytes
 ) -> None:
-    challenge = wire.seal(KEY, JOB, 1, {"t": "challenge", "nonce": "c" * 32})
+    challenge = wire.seal(KEY, FIRST, 1, {"t": "challenge", "nonce": "c" * 32})
     for first, then in ((probe, b""), (challenge, probe)):
         fake.replies.put((first, then))
-        link, why = connect("127.0.0.1", fake.port, KEY, JOB, HELLO)
+        link, why = connect("127.0.0.1", fake.port, KEY, JOB, HELLO, master="m")
         assert link is None
         assert "did not authenticate" in why
 
@@ -326,13 +327,14 @@ def test_the_issue_probes_from_a_fake_master_are_a_refusal(
 def test_a_watchdog_that_is_not_the_master_gets_a_refusal_never_an_exception(
     fake: FakeWatchdog, data: st.DataObject, after_challenge: bool
 ) -> None:
-    hostile = b"".join(data.draw(st.lists(hostile_lines(f"{JOB}:{'c' * 32}"), max_size=3)))
+    context = wire.context(JOB, "c" * 32, "m", "w")
+    hostile = b"".join(data.draw(st.lists(hostile_lines(context), max_size=3)))
     if after_challenge:
-        challenge = wire.seal(KEY, JOB, 1, {"t": "challenge", "nonce": "c" * 32})
+        challenge = wire.seal(KEY, FIRST, 1, {"t": "challenge", "nonce": "c" * 32})
         fake.replies.put((challenge, hostile or b"\n"))
     else:
         fake.replies.put((hostile or b"\n", b""))
-    link, why = connect("127.0.0.1", fake.port, KEY, JOB, HELLO)
+    link, why = connect("127.0.0.1", fake.port, KEY, JOB, HELLO, master="m")
     assert link is None, "a watchdog without the job's welcome was taken for the master"
     assert why
 
@@ -342,16 +344,18 @@ def test_a_watchdog_that_is_not_the_master_gets_a_refusal_never_an_exception(
 def test_the_workers_reader_keeps_its_masters_messages_around_hostile_lines(
     data: st.DataObject,
 ) -> None:
-    context = f"{JOB}:c"
+    context = wire.context(JOB, "c", "m", "w")
     mine, theirs = socket.socketpair()
-    master, worker = Link(mine, KEY, context), Link(theirs, KEY, context)
+    master = Link(mine, KEY, JOB, from_master=False)
+    worker = Link(theirs, KEY, JOB, from_master=True)
+    master.send_context = worker.recv_context = context
     hostile = data.draw(st.lists(hostile_lines(context, keyed=False), max_size=4))
     hostile = [line if line.endswith(b"\n") else line + b"\n" for line in hostile]
     hostile = [line for line in hostile if len(line) <= wire.MAX_LINE]
     events: queue.Queue = queue.Queue()
     reader = threading.Thread(target=read_uplink, args=(worker, events))
     reader.start()
-    master.send({"t": "beat", "attempt": 1})
+    master.send({"t": "beat", "phase": "running", "attempt": 1})
     mine.sendall(b"".join(hostile))
     master.send({"t": "start", "attempt": 1})
     mine.shutdown(socket.SHUT_WR)
@@ -367,7 +371,8 @@ def test_the_workers_reader_keeps_its_masters_messages_around_hostile_lines(
 
 def test_a_worker_reader_ends_with_eof_even_when_its_handling_fails() -> None:
     mine, theirs = socket.socketpair()
-    worker = Link(theirs, KEY, JOB)
+    worker = Link(theirs, KEY, JOB, from_master=True)
+    worker.recv_context = JOB
 
     class Broken(queue.Queue):
         def put(self, item: object, block: bool = True, timeout: float | None = None) -> None:
@@ -376,7 +381,7 @@ def test_a_worker_reader_ends_with_eof_even_when_its_handling_fails() -> None:
             super().put(item, block, timeout)
 
     events = Broken()
-    mine.sendall(wire.seal(KEY, JOB, 1, {"t": "beat"}))
+    mine.sendall(wire.seal(KEY, JOB, 1, {"t": "beat", "phase": "running"}))
     started = time.monotonic()
     read_uplink(worker, events)
     assert time.monotonic() - started < 5

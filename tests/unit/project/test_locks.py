@@ -4,6 +4,7 @@ hashes of PyPI's files, which the nodes' installers and the wheelhouse check (is
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import re
@@ -15,6 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 from ansible_collections.llama.cluster.plugins.filter import python_env as env_filters
+
+from tests.support.role_cases import LOCAL, run_cases
 
 PROJECT = Path(__file__).resolve().parents[3]
 SCRIPT = PROJECT / "scripts/lock-node-env.py"
@@ -188,14 +191,87 @@ def test_a_file_of_a_pin_whose_hash_is_none_of_the_locks_is_named():
     ]
 
 
-def test_the_wheelhouse_role_leaves_out_only_what_the_lock_cannot_hash():
-    excluded = yaml.safe_load((PROJECT / "roles/wheelhouse/vars/main.yml").read_text())
-    patterns = excluded["__wheelhouse_unhashed"]
-    for name in lock.INDEX_BUILDS:
-        assert f"{name}-*" in patterns
-    text = lock.lock_path("3.11").read_text()
-    hashed = [pin for pin, hashes in lock.entries(text) if hashes]
-    assert not [p for p in hashed if any(re.match(x.replace("*", ".*"), p) for x in patterns)]
+# ---- torch's builds -------------------------------------------------------------------------
+def _torch_lock(python: str, build: str = "pypi") -> str:
+    return lock.build_lock_path(python, build).read_text()
+
+
+def test_the_pypi_build_of_torch_is_locked_whole_with_every_files_hash():
+    # Issue 45: torch, torchvision and torchaudio were pinned without hashes, the CUDA runtime
+    # wheels and triton not at all. The lab's and the CUDA 13.0 build come from PyPI alone.
+    assert {e["build"] for e in yaml.safe_load((PROJECT / "group_vars/all/versions.yml")
+            .read_text())["torch_matrix"].values()} == set(INPUTS["builds"])  # fmt: skip
+    expected = {name: group_vars()[name] for name in lock.INDEX_BUILDS}
+    for python in INPUTS["pythons"]:
+        text = _torch_lock(python)
+        found = lock.entries(text)
+        names = {lock.normalise(pin.split("==")[0]): pin.split("==")[1] for pin, _ in found}
+        assert {name: names[name] for name in lock.INDEX_BUILDS} == expected
+        runtime = [n for n in names if lock.TORCH_RUNTIME.match(n)]
+        assert "triton" in runtime
+        assert [n for n in runtime if n.startswith("nvidia-")]
+        assert set(names) == set(lock.INDEX_BUILDS) | set(runtime)  # nothing else
+        assert all(hashes for _, hashes in found)
+        assert all(re.fullmatch(r"sha256:[0-9a-f]{64}", h) for _, hs in found for h in hs)
+        assert f"# index: {INPUTS['builds']['pypi']}" in text.splitlines()
+
+
+def test_torch_build_lock_headers_match_their_inputs_and_lines():
+    for path in sorted((PROJECT / "requirements").glob("torch-*-py*.txt")):
+        build, major, minor = re.fullmatch(r"torch-(\w+)-py(\d)(\d+)\.txt", path.name).groups()
+        python = f"{major}.{minor}"
+        text = path.read_text()
+        header = re.search(r"^# inputs: (\w+)  body: (\w+)", text, re.M)
+        lines = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
+        assert text.startswith(lock.TORCH_GENERATED + "\n")
+        assert lines == lock.hashed_lines(lock.entries(text))
+        assert header.group(1) == lock.build_digest(INPUTS, python, build), f"{path.name} is stale"
+        assert header.group(2) == lock.body_digest(lines), f"{path.name} was edited by hand"
+
+
+@pytest.mark.parametrize("required", [False, True])
+def test_a_torch_build_without_its_lock_is_named_and_refused_where_required(
+    tmp_path: Path, required: bool
+):
+    # A build whose index this machine cannot reach (download.pytorch.org) has no lock until
+    # scripts/lock-node-env.py --builds <build> runs where it can: provision's pre-flight says so
+    # and installs it by its pins, or refuses it where torch_require_lock asks.
+    unlocked = [b for b in INPUTS["builds"] if not lock.build_lock_path("3.11", b).exists()]
+    if not unlocked:
+        pytest.skip("every torch build has its lock")
+    build = unlocked[0]
+    cuda = next(k for k, e in yaml.safe_load((PROJECT / "group_vars/all/versions.yml")
+                .read_text())["torch_matrix"].items() if e["build"] == build)  # fmt: skip
+    play = [
+        {
+            "hosts": "all",
+            "gather_facts": False,
+            "tasks": [
+                {
+                    "ansible.builtin.include_role": {
+                        "name": "python_env",
+                        "tasks_from": "validate.yml",
+                    }
+                }
+            ],
+        }
+    ]
+    host = {**LOCAL, "host_facts_os_key": "debian-12", "cluster_accelerator": "nvidia",
+            "cuda_version": cuda, "torch_require_lock": required}  # fmt: skip
+    out = run_cases(tmp_path, {"all": {"hosts": {"n1": host}}}, play)
+    said = " ".join(out.split())
+    assert f"No lock torch-{build}-py311.txt for torch's {build} build" in said, said[-3000:]
+    assert f"scripts/lock-node-env.py --builds {build}" in said
+    assert ("torch_require_lock is true: nothing was changed" in said) is required
+    assert ("Installing it by its version pins from that index alone" in said) is not required
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 CACHE = Path(os.environ.get("LLAMA_CLUSTER_CACHE", "/var/cache/llama-cluster"))
@@ -208,17 +284,18 @@ needs_wheelhouse = pytest.mark.skipif(
 
 @needs_wheelhouse
 def test_the_wheelhouse_pypi_filled_matches_the_locks_hashes():
-    import hashlib  # noqa: PLC0415 - this test alone
-
-    text = lock.lock_path("3.11").read_text()
-    skip = ("torch-", "torchvision-", "torchaudio-", "triton-", "nvidia", "cuda")
+    text = lock.lock_path("3.11").read_text() + _torch_lock("3.11")
     files = [
-        {"path": str(path), "checksum": hashlib.sha256(path.read_bytes()).hexdigest()}
+        {"path": str(path), "checksum": _sha256(path)}
         for path in [*WHEELHOUSE.glob("*.whl"), *WHEELHOUSE.glob("src/*.tar.gz")]
-        if not path.name.startswith(skip)
     ]
     assert len(files) > 100
+    assert [f for f in files if Path(f["path"]).name.startswith(("torch-", "nvidia_"))]
     assert env_filters.wheelhouse_hash_problems(files, text) == []
+    # Every wheel but DeepSpeed's (built from its hashed source) has a hash in one lock.
+    hashed = {pin for pin, hashes in env_filters._entries(text) if hashes}
+    unhashed = set(env_filters.wheel_pins(f["path"] for f in files)) - hashed
+    assert unhashed == {f"deepspeed=={group_vars()['deepspeed']}"}
 
 
 @needs_wheelhouse

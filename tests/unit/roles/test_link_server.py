@@ -1,10 +1,12 @@
 """check.yml's servers against hostile bytes: the link server (llama.cluster.llama_links,
-mode serve, root on 0.0.0.0 during the check) and the master port's listener
-(roles/preflight/files/listener.py), each on a real socket in this process.
+mode serve, root on each node's measured addresses during the check) and the master port's
+listener (roles/preflight/files/listener.py, on the master's cluster address), each on a real
+socket in this process.
 
-The link server answers one connection at a time: a line is at most LINE_MAX bytes and a
-connection has HANDSHAKE_S seconds to prove it holds the check's key; anything else is answered
-`error <why>`, closed and counted, and the server goes on. The figures are what the measuring
+The link server serves connections side by side: a line is at most LINE_MAX bytes and a
+connection has HANDSHAKE_S seconds to prove it holds the check's key, at most MAX_WAITING wait
+to do so (the oldest goes); anything else is answered `error <why>`, closed and counted, and the
+server goes on. The figures are what the measuring
 side itself received and timed. hypothesis throws thousands of hostile requests at the server
 (a genuine peer is measured after each) and hostile answers at the measuring side; the probes
 of issue 40 (`ping abc`, a forged byte count, 8 MiB without a newline) are explicit cases.
@@ -193,7 +195,9 @@ def test_probes_and_strangers_are_refused_and_never_count_as_measured() -> None:
     port = port_holder.getsockname()[1]
     port_holder.close()
     result: list[llama_links.LinkServer] = []
-    thread = threading.Thread(target=lambda: result.append(llama_links.serve(port, 1, 30, KEY)))
+    thread = threading.Thread(
+        target=lambda: result.append(llama_links.serve(port, 1, 30, KEY, ["127.0.0.1"]))
+    )
     thread.start()
     probes = 0
     for _ in range(200):  # until it listens, then 10 more: each a probe that sends nothing
@@ -330,7 +334,8 @@ def test_the_listener_names_the_workers_that_did_not_come(tmp_path: Path) -> Non
     holder.close()
     state = tmp_path / "state"
     ran = subprocess.run(
-        [sys.executable, str(LISTENER), "--port", str(port), "--peers", "10.0.0.2,10.0.0.3",
+        [sys.executable, str(LISTENER), "--address", "127.0.0.1", "--port", str(port),
+         "--peers", "10.0.0.2,10.0.0.3",
          "--timeout", "0.5", "--state-file", str(state)],
         capture_output=True, text=True, timeout=30, check=False,
     )  # fmt: skip
@@ -342,3 +347,45 @@ def test_the_listener_names_the_workers_that_did_not_come(tmp_path: Path) -> Non
         "missing": ["10.0.0.2", "10.0.0.3"],
         "others": 0,
     }
+
+
+# -- issue 45: several connections at once, on the given addresses only --------------------------
+def test_fifty_idle_keyless_connections_never_keep_a_peer_with_the_key_out(server: Server) -> None:
+    idle = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(50)]
+    started = time.monotonic()
+    found = server.measure(timeout=5)
+    took = time.monotonic() - started
+    print(f"measured beside 50 idle connections in {took:.2f} s")
+    assert found["bytes"] > 0
+    assert took < 2.5  # one idle connection alone used to hold the server for 3 s
+    for sock in idle:
+        sock.close()
+    assert server.links.refused["too many connections waiting to authenticate"] >= 18
+
+
+def test_the_link_server_listens_on_its_addresses_only_and_names_one_it_cannot(
+    tmp_path: Path,
+) -> None:
+    holder = socket.create_server(("127.0.0.1", 0))
+    port = holder.getsockname()[1]
+    holder.close()
+    with pytest.raises(llama_links.Refused, match=rf"cannot listen on 192.0.2.1:{port}"):
+        llama_links.serve(port, 1, 5, KEY, ["127.0.0.2", "192.0.2.1"])
+    found: list[llama_links.LinkServer] = []
+    thread = threading.Thread(
+        target=lambda: found.append(llama_links.serve(port, 1, 30, KEY, ["127.0.0.2"]))
+    )
+    thread.start()
+    time.sleep(0.5)
+    with pytest.raises(ConnectionRefusedError):  # not on another address of this machine
+        socket.create_connection(("127.0.0.1", port), timeout=5)
+    assert llama_links.measure("127.0.0.2", port, KEY, seconds=0.05, pings=2, timeout=10)
+    thread.join(timeout=30)
+    assert found[0].served == 1
+    ran = subprocess.run(
+        [sys.executable, str(LISTENER), "--address", "192.0.2.1", "--port", str(port),
+         "--timeout", "1", "--state-file", str(tmp_path / "state")],
+        capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert ran.returncode == 2
+    assert (tmp_path / "state").read_text().startswith(f"error: 192.0.2.1:{port}: ")

@@ -218,3 +218,30 @@ def test_a_link_that_only_root_could_make_is_followed(tmp_path: Path) -> None:
     assert not done["failed"], done
     assert (disk / "runs" / "r1").is_dir()
     assert _mode(disk / "runs" / "r1") == 0o750
+
+
+def test_root_never_changes_the_owner_or_mode_of_a_hard_linked_file(tmp_path: Path) -> None:
+    # Issue 45's probe: a hard link planted at a path llama_files touches got root's chown and
+    # chmod (a 0600 file became 0644). The job's directory is another account's to write.
+    secret = tmp_path / "secret"
+    secret.write_text("root's only\n")
+    secret.chmod(0o600)
+    run = tmp_path / "run"
+    run.mkdir()
+    os.link(secret, run / "node.log")
+    os.link(secret, run / "plan.json")
+    touched = llama_files({"touch": [{"path": str(run / "node.log"), "mode": "0644",
+                                      "owner": "nobody"}]})  # fmt: skip
+    assert touched["failed"]
+    assert (
+        f"{run / 'node.log'} has 3 links (names): root never changes the owner or mode"
+        in (touched["msg"])
+    )
+    written = llama_files(
+        {"files": [{"path": str(run / "plan.json"), "content": "{}\n", "mode": "0644"}]}
+    )
+    assert not written["failed"], written
+    assert (run / "plan.json").read_text() == "{}\n"  # a new file of its own
+    assert _mode(run / "plan.json") == 0o644
+    assert (secret.read_text(), _mode(secret), secret.stat().st_uid) == ("root's only\n", 0o600, 0)
+    assert secret.stat().st_nlink == 2  # node.log still names it: refused, never changed

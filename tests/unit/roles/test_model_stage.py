@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from ansible_collections.llama.cluster.plugins.filter.model_stage import model_stage_escapes
 from ansible_collections.llama.cluster.plugins.module_utils.planner import model as stage
 from ansible_collections.llama.cluster.plugins.modules import llama_model_progress as progress
 
@@ -536,3 +537,51 @@ def test_a_controller_without_rsync_stops_train_yml_before_any_node(tmp_path: Pa
     )
     assert "with rsync, which the controller lacks" in out, out[-2000:]
     assert "Train | Prepare every node" not in out, "a node was contacted"
+
+
+def test_a_link_that_leaves_the_model_directory_is_refused_naming_it(tmp_path: Path) -> None:
+    # Issue 45's probe: a link in a local model directory to a root-only 0600 file arrived on
+    # every node as a 0644 file of the training account (rsync followed it).
+    secret = tmp_path / "secret"
+    secret.write_text("root's only\n")
+    secret.chmod(0o600)
+    model = _model(tmp_path)
+    (model / "tokenizer.json").symlink_to(secret)
+    dest = tmp_path / "dest"
+    extra = [f"node_path={os.environ['PATH']}", f"model_source={model}", f"model_dest={dest}"]
+    extra += [f"hub_cache_dir={tmp_path / 'hub'}"]
+    out = _run_without_rsync(
+        tmp_path,
+        "tests/playbooks/stage_model.yml",
+        *(arg for value in extra for arg in ("-e", value)),
+        path=os.environ["PATH"],
+    )
+    assert f"{model}/tokenizer.json is a link to {secret}, outside {model}" in out, out[-2000:]
+    assert not dest.exists(), "the model was copied"
+
+
+def test_only_a_directorys_own_regular_files_may_be_staged(tmp_path: Path) -> None:
+    model = _model(tmp_path)
+    (model / "sub").mkdir()
+    (model / "weights.safetensors").write_bytes(b"w")
+    (model / "alias.json").symlink_to("config.json")  # inside: fine
+    (model / "subdir").symlink_to("sub")
+    assert model_stage_escapes(str(model)) == []
+    # A snapshot of the Hugging Face cache links into its repo's blobs/: fine, and no further.
+    repo = tmp_path / "hub" / "models--org--m"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "blobs" / "abc").write_text("{}")
+    snapshot = repo / "snapshots" / "0123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").symlink_to("../../blobs/abc")
+    assert model_stage_escapes(str(snapshot)) == []
+    (snapshot / "x").symlink_to(tmp_path / "model" / "config.json")
+    os.mkfifo(model / "pipe")
+    (model / "gone").symlink_to(model / "nothing")
+    assert model_stage_escapes(str(snapshot)) == [
+        f"{snapshot / 'x'} is a link to {model / 'config.json'}, outside {repo}"
+    ]
+    assert sorted(model_stage_escapes(str(model))) == [
+        f"{model / 'gone'} is a link to {model / 'nothing'}, which does not exist",
+        f"{model / 'pipe'} is neither a directory nor a regular file",
+    ]

@@ -527,19 +527,24 @@ def test_install_argv_from_the_wheelhouse_is_offline_under_the_lock_for_uv_and_p
     ]  # fmt: skip
 
 
-def test_install_argv_from_indexes_takes_the_best_version_across_them_with_uv():
+def test_each_install_comes_from_one_named_index():
+    # Issue 45: uv resolved with unsafe-best-match across torch's index and PyPI.
     spec = {
         "installer": "uv",
         "env_bin": "/e/bin",
-        "constraints": "/c",
-        "index_urls": ["https://download.pytorch.org/whl/cu128", "https://pypi.org/simple"],
+        "requirements": "/e/torch-lock.txt",
+        "no_deps": True,
+        "index_urls": ["https://download.pytorch.org/whl/cu128"],
     }
-    argv = env_filters.install_argv(["torch==2.11.0"], spec)
-    assert argv[5:11] == [
+    argv = env_filters.install_argv([], spec)
+    assert argv[5:] == [
         "--index-url", "https://download.pytorch.org/whl/cu128",
-        "--extra-index-url", "https://pypi.org/simple",
-        "--index-strategy", "unsafe-best-match",
+        "--require-hashes", "--requirement", "/e/torch-lock.txt", "--no-deps",
+        "--compile-bytecode",
     ]  # fmt: skip
+    two = {**spec, "index_urls": [*spec["index_urls"], "https://pypi.org/simple"]}
+    with pytest.raises(Exception, match="exactly one index: each install comes from one named"):
+        env_filters.install_argv([], two)
     with pytest.raises(Exception, match="python_env_installer is 'conda'"):
         env_filters.install_argv(["x==1"], {**spec, "installer": "conda"})
 

@@ -50,8 +50,9 @@ def _entries(lines: str | Iterable[str], comments: bool = False) -> list[tuple[s
         else:
             line = raw.split("#", 1)[0].strip()
         if line:
+            # A build's local version (2.11.0+cu128) is its version, as wheel_pins reads it.
             name, _, version = line.split()[0].partition("==")
-            found.append((f"{_name(name)}=={version.strip()}", HASH_RE.findall(line)))
+            found.append((f"{_name(name)}=={version.split('+')[0]}", HASH_RE.findall(line)))
     return found
 
 
@@ -116,32 +117,29 @@ def carried_pins(lock_text: str, files: Iterable[str], exclude: Iterable[str] = 
     return [p for p in lock_pins(lock_text) if p in have and _name(p) not in skip]
 
 
-def _source_args(installer: str, spec: Mapping[str, Any]) -> list[str]:
+def _source_args(spec: Mapping[str, Any]) -> list[str]:
     """Where the installer takes the packages from: the wheelhouse alone, or the indexes."""
     wheelhouse = spec.get("wheelhouse") or ""
     index_urls = [str(u) for u in spec.get("index_urls") or []]
     if wheelhouse:
         return ["--no-index", "--find-links", str(wheelhouse)]
-    if not index_urls:
-        raise AnsibleFilterError("install_argv needs a wheelhouse directory or index_urls.")
-    argv = ["--index-url", index_urls[0]]
-    for url in index_urls[1:]:
-        argv += ["--extra-index-url", url]
-    if installer == "uv" and len(index_urls) > 1:
-        # pip's rule: the best version across every index (uv's default stops at the first
-        # index that has the package, e.g. torch's index for filelock).
-        argv += ["--index-strategy", "unsafe-best-match"]
-    return argv
+    if len(index_urls) != 1:
+        raise AnsibleFilterError(
+            "install_argv needs a wheelhouse directory or exactly one index: each install comes "
+            f"from one named index (got {index_urls})."
+        )
+    return ["--index-url", index_urls[0]]
 
 
 def install_argv(packages: Iterable[str], spec: Mapping[str, Any]) -> list[str]:
     """The command that installs packages into the environment under the lock.
 
     spec: installer (uv | pip), env_bin, constraints (a file; uv checks the hashes it holds),
-    wheelhouse (a directory: no index at all) or index_urls (the first is the main index, the
-    others extra), no_deps (bool), dry_run (bool: say what would change and change nothing,
-    the plan's check mode), requirements (a file of pins with their hashes, installed in pip's
-    hash-checking mode, --require-hashes: every package of the install must be in it).
+    wheelhouse (a directory: no index at all) or index_urls (one index: a second is refused, so
+    that no package can come from an index other than its own), no_deps (bool), dry_run (bool:
+    say what would change and change nothing, the plan's check mode), requirements (a file of
+    pins with their hashes, installed in hash-checking mode, --require-hashes: every package of
+    the install must be in it).
     """
     installer = spec.get("installer")
     if installer not in INSTALLERS:
@@ -153,7 +151,7 @@ def install_argv(packages: Iterable[str], spec: Mapping[str, Any]) -> list[str]:
         argv = [f"{env_bin}/uv", "pip", "install", "--python", f"{env_bin}/python"]
     else:
         argv = [f"{env_bin}/python", "-m", "pip", "install", "--disable-pip-version-check"]
-    argv += _source_args(installer, spec)
+    argv += _source_args(spec)
     if spec.get("constraints"):
         argv += ["--constraint", str(spec["constraints"])]
     if spec.get("requirements"):

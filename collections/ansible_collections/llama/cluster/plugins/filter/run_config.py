@@ -194,7 +194,10 @@ def train_yaml(
     for title, keys in sections:
         lines += ["", f"### {title}"]
         for key in (k for k in keys if k in args):
-            comment = comments.get(key) if title != "other settings" else ""
+            # A comment is one line, whatever its words hold (a decision may name the model).
+            comment = (
+                " ".join(str(comments.get(key) or "").split()) if title != "other settings" else ""
+            )
             line = f"{key}: {_yaml_value(args[key])}"
             lines.append(f"{line}  # {comment}" if comment else line)
     return "\n".join(lines) + "\n"

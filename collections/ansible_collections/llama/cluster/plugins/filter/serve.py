@@ -24,7 +24,11 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ansible_collections.llama.cluster.plugins.module_utils.planner.schema import as_flag
+from ansible_collections.llama.cluster.plugins.module_utils.planner.model import REPO_ID
+from ansible_collections.llama.cluster.plugins.module_utils.planner.schema import (
+    as_flag,
+    template_problems,
+)
 
 try:  # Ansible turns a filter error into the task's failure message.
     from ansible.errors import AnsibleFilterError as _BaseError
@@ -127,6 +131,15 @@ def _source_problems(
             "-e export_dir needs -e model_template=<LLaMA-Factory template> (the one the "
             "model was trained with, e.g. qwen)"
         )
+    # By train.yml's rules: a template of LLaMA-Factory's, a hub id or a plain absolute path.
+    template = str(asked.get("model_template") or "")
+    if template:
+        problems += template_problems(template, "model_template")
+    if model_path and not REPO_ID.fullmatch(model_path) and _plain_path_problem(model_path):
+        problems.append(
+            f"model_path={model_path!r}: a hub id (namespace/name) or an absolute path on the "
+            "node, not /, without '.' or '..' parts"
+        )
     if source == "model" and model not in catalogue and not model_path:
         problems.append(
             f"Unknown model {model!r}. Known models: {', '.join(sorted(catalogue))} "
@@ -159,19 +172,25 @@ def path_problems(run_id: str, checkpoint: str, export_dir: str) -> list[str]:
         )
     if checkpoint and not CHECKPOINT_RE.match(checkpoint):
         problems.append(f"checkpoint={checkpoint!r}: write checkpoint-<step>")
-    plain = posixpath.normpath(export_dir) == export_dir.rstrip("/") if export_dir else True
-    if export_dir and (
-        not export_dir.startswith("/")
-        or export_dir.rstrip("/") == ""
-        or not plain
-        or export_dir.startswith("//")
-        or any(char in export_dir for char in "\n\r\0")
-    ):
+    if export_dir and _plain_path_problem(export_dir):
         problems.append(
             f"export_dir={export_dir!r}: an absolute path on the node, not /, without '.' or "
             "'..' parts (e.g. /data/models/my-model)"
         )
     return problems
+
+
+def _plain_path_problem(path: str) -> bool:
+    """Whether a path is not a plain absolute path on a node: relative, /, with '.' or '..'
+    parts ('..' would climb out of it), or holding a line break or a NUL."""
+    return (
+        not path.startswith("/")
+        or path.rstrip("/") == ""
+        or posixpath.normpath(path) != path.rstrip("/")
+        or path.startswith("//")
+        or len(path.splitlines()) > 1
+        or any(char in path for char in "\n\r\0")
+    )
 
 
 def export_request(asked: Mapping[str, Any]) -> dict[str, str]:

@@ -171,9 +171,16 @@ def classify(
 
 
 def ufw_items(args: Mapping[str, Any], result: Mapping[str, Any]) -> list[Item]:
-    """ufw's commands, and the copy of ufw's state that llama_ufw keeps for a rollback."""
+    """ufw's commands, the listening ports a deny would darken, and the copy of ufw's state that
+    llama_ufw keeps for a rollback."""
     commands = [str(c) for c in result.get("commands") or []]
     items = [Item("firewall", c) for c in commands]
+    # Where a policy turns to deny: the listening ports that would go dark (llama_ufw's unruled).
+    items += [
+        Item("firewall", f"{port.get('text')} would go dark (no rule names it)")
+        for port in result.get("unruled") or []
+        if isinstance(port, Mapping)
+    ]
     if commands and args.get("rollback_dir") and args.get("state") != "rolled_back":
         items.append(Item("files", f"{args['rollback_dir']} (ufw's state saved for a rollback)"))
     return items

@@ -5,7 +5,8 @@ A path is walked from / one directory at a time, each opened with O_NOFOLLOW and
 up in it; a link is followed only where it sits in a directory that only root (or this
 process's user) can write, where only root could have made it (/opt -> /data/opt); anywhere else
 it is refused, named. What is then done is done through descriptors (fchown, fchmod, openat,
-renameat), so a path swapped for a link while it is being worked on is never followed either.
+renameat), so a path swapped for a link while it is being worked on is never followed either;
+and a regular file with more than one hard link never gets an owner or a mode changed.
 """
 
 from __future__ import annotations
@@ -193,10 +194,24 @@ def differs(fd: int, entry: dict[str, Any]) -> bool:
     )
 
 
+def linked_elsewhere(fd: int) -> int:
+    """How many names a regular file has beyond one (0 for a directory or a file of one name):
+    a hard link another account made to a file of root's (or anyone's) is another name of it."""
+    info = os.fstat(fd)
+    return info.st_nlink - 1 if stat.S_ISREG(info.st_mode) else 0
+
+
 def set_attributes(fd: int, entry: dict[str, Any]) -> bool:
-    """Set owner, group and mode through the descriptor; whether anything changed."""
+    """Set owner, group and mode through the descriptor; whether anything changed. A file with
+    more than one link is refused, never changed: its other name could be any file on this
+    filesystem (/etc/shadow, another run's key)."""
     if not differs(fd, entry):
         return False
+    if linked_elsewhere(fd):
+        raise Refused(
+            f"{entry.get('path', 'a file')} has {linked_elsewhere(fd) + 1} links (names): root "
+            "never changes the owner or mode of a file with more than one (remove it)"
+        )
     uid, gid = owner_ids(entry)
     os.fchown(fd, uid, gid)
     if entry.get("mode") is not None:

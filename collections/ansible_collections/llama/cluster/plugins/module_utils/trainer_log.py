@@ -11,6 +11,7 @@ llama_runner (which loads this file from the checkout) all use it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 from collections.abc import Mapping, Sequence
@@ -22,12 +23,14 @@ TAIL_BYTES = 1024 * 1024
 
 
 def parse_records(text: str) -> list[dict[str, Any]]:
-    """The JSON objects of a JSON-lines text; a partial or broken line is skipped."""
+    """The JSON objects of a JSON-lines text; a partial or broken line, one nested too deep to
+    parse, is skipped (the training code writes the log: whatever a line holds, never an
+    error)."""
     records = []
     for line in text.splitlines():
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(record, dict):
             records.append(record)
@@ -55,11 +58,20 @@ def last_attempt(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]
     return list(records[start:])
 
 
+def _finite(value: object) -> float | None:
+    """A JSON number as a finite float (None for anything else: NaN, Infinity, 10**400)."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
 def _number(record: Mapping[str, Any], key: str) -> float | None:
-    value = record.get(key)
-    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
-        return float(value)
-    return None
+    value = _finite(record.get(key))
+    return value if value is not None and value > 0 else None
 
 
 def tokens_per_second(records: Sequence[Mapping[str, Any]]) -> float | None:
@@ -92,16 +104,14 @@ def log_figures(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     began), tokens_per_s (`tokens_per_second`) and records (how many the last attempt wrote)."""
     attempt = last_attempt(records)
     last = attempt[-1] if attempt else {}
-    losses = [
-        r["loss"]
-        for r in attempt
-        if isinstance(r.get("loss"), int | float) and not isinstance(r.get("loss"), bool)
-    ]
+    # The last logged loss; a NaN or Infinity there (a diverged run) is no figure.
+    losses = [r["loss"] for r in attempt if isinstance(r.get("loss"), int | float)]
+    total, elapsed = last.get("total_steps"), last.get("elapsed_time")
     return {
         "last_step": _step(last),
-        "total_steps": last.get("total_steps"),
-        "final_loss": float(losses[-1]) if losses else None,
-        "elapsed": last.get("elapsed_time"),
+        "total_steps": total if _step({"current_steps": total}) is not None else None,
+        "final_loss": _finite(losses[-1]) if losses else None,
+        "elapsed": elapsed[:32] if isinstance(elapsed, str) else None,
         "tokens_per_s": tokens_per_second(attempt),
         "records": len(attempt),
     }

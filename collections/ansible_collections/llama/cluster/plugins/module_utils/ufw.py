@@ -342,6 +342,22 @@ class Plan:
         ]
 
 
+def goes_dark(plan: Plan, *, active: bool, defaults: str) -> bool:
+    """Whether this plan leaves ufw on with an incoming default that turns away what no rule
+    names, where that was reachable before: ufw turned on (its incoming default, the plan's or
+    /etc/default/ufw's, denies), or an active ufw's incoming default turned from allow to deny
+    or reject. The listening ports no rule names then go dark but for the cluster's nodes."""
+    asked = next(
+        (argv[1] for argv in plan.settings if argv[0] == "default" and argv[2:] == ["incoming"]),
+        None,
+    )
+    current = POLICY_OF.get(shell_value(defaults, "DEFAULT_INPUT_POLICY"), "deny")
+    closes = (asked or current) in ("deny", "reject")
+    if ["--force", "enable"] in plan.settings:
+        return closes
+    return active and current == "allow" and asked in ("deny", "reject")
+
+
 def leaves_inactive(params: dict[str, Any], *, active: bool) -> bool:
     """Whether ufw, found off, stays off and untouched: it is only turned on when asked
     (if_inactive: enable). A server's other services (a node exporter, NFS, a database) would

@@ -35,6 +35,7 @@ from ansible_collections.llama.cluster.plugins.module_utils.safe_paths import (
     Walk,
     differs,
     directory,
+    linked_elsewhere,
     octal_mode,
     set_attributes,
     split_path,
@@ -54,6 +55,9 @@ description:
     can write, where only root could have made it; a link anywhere else on a path, or at the path
     of a file to touch, fails the task naming it. Everything is created and changed through file
     descriptors, so a path swapped for a link while the module runs is never followed either.
+  - A regular file with more than one hard link never gets its owner or mode changed (its other
+    name could be any file of the filesystem); one to touch fails the task naming it, one to
+    write is replaced by a new file, its other names left as they are.
   - A directory with C(new) is created here and now, in a directory only root can write; one
     that exists already (a directory, a link, anything) fails the task before anything is written.
 options:
@@ -311,6 +315,8 @@ def write_file(entry: dict[str, Any], check_mode: bool) -> bool:
         if walk.missing:
             return True
         fd, same = _holds(walk.fd, name, content)
+        if fd is not None and linked_elsewhere(fd):
+            same = False  # a hard link's other names are left as they are: a new file here
         if fd is not None and same:
             try:
                 return differs(fd, entry) if check_mode else set_attributes(fd, entry)

@@ -10,9 +10,11 @@ import hmac
 import ipaddress
 import re
 import secrets
+import selectors
 import socket
 import statistics
 import struct
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -27,11 +29,15 @@ description:
   - O(mode=interfaces) lists the node's interfaces from /sys/class/net (no iproute2 needed) with
     their kind (C(infiniband), C(roce) for an Ethernet port with an RDMA device, C(ethernet),
     C(bridge), C(other)), link speed, MTU and IPv4 address and prefix.
-  - O(mode=serve) listens on O(port) and answers O(connections) measurements (echoes the round
-    trips, then sends a stream) or stops after O(timeout) seconds; started with async. Only a
-    peer that proves it holds O(key) is measured or counted; any other connection, whatever it
-    sends, is answered C(error <why>), closed and counted in RV(refused), and the server goes on.
-    A line is at most 256 bytes and a connection has 3 seconds to authenticate.
+  - O(mode=serve) listens on O(port) of each of O(addresses) (never every interface; an address
+    that does not bind fails the module, naming it) and answers O(connections) measurements
+    (echoes the round trips, then sends a stream) or stops after O(timeout) seconds; started
+    with async. Only a peer that proves it holds O(key) is measured or counted; any other
+    connection, whatever it sends, is answered C(error <why>), closed and counted in
+    RV(refused), and the server goes on. Connections are served side by side, each in a thread
+    of its own; a line is at most 256 bytes, a connection has 3 seconds to authenticate, at most
+    32 wait to do so (the oldest is closed when another comes, so whatever else is connected a
+    peer with the key gets through), and measurements run one at a time.
   - O(mode=measure) connects to a serving node at O(address), checks that it holds O(key), times
     O(pings) one-byte round trips (each a random byte that must come back) and then receives the
     stream the server sends for O(seconds); the figure is the bytes received here over the time
@@ -46,6 +52,11 @@ options:
     description: The TCP port served or measured against.
     type: int
     default: 29500
+  addresses:
+    description: The node's addresses to listen on, one per network measured (serve).
+    type: list
+    elements: str
+    default: []
   connections:
     description: How many measurements the server answers before it exits (serve).
     type: int
@@ -82,6 +93,7 @@ EXAMPLES = r"""
 - name: Serve two measurements on port 29510 (in the background)
   llama.cluster.llama_links:
     mode: serve
+    addresses: [10.0.0.11]
     port: 29510
     connections: 2
     key: "{{ links_key }}"
@@ -121,6 +133,7 @@ refused:
   returned: mode=serve
 """
 
+MAX_WAITING = 32  # connections that may wait to authenticate at once
 # One name per line: ansible-doc reads a module's top-level assignments, and not a tuple's.
 SIOCGIFADDR = 0x8915  # linux/sockios.h
 SIOCGIFNETMASK = 0x891B
@@ -269,47 +282,92 @@ def expect(
 
 
 class LinkServer:
-    """Answers measurements on a listening socket, one connection at a time; only a peer that
-    proves it holds the key is measured. A connection that sends anything else is answered with
-    `error <why>` and closed, and counted in `refused`; the server goes on."""
+    """Answers measurements on listening sockets, each connection in a thread of its own; only
+    a peer that proves it holds the key is measured, one measurement at a time. A connection
+    that sends anything else is answered `error <why>` and closed, and counted in `refused`;
+    at most MAX_WAITING connections wait to authenticate (the oldest goes when another comes),
+    so no number of idle or hostile connections keeps a peer with the key out."""
 
-    def __init__(self, server: socket.socket, key: bytes) -> None:
-        self.server = server
+    def __init__(self, server: socket.socket | list[socket.socket], key: bytes) -> None:
+        self.servers = server if isinstance(server, list) else [server]
         self.key = key
         self.served = 0
         self.refused: Counter[str] = Counter()
+        self.lock = threading.Lock()  # served, refused and waiting
+        self.measuring = threading.Lock()  # one measurement at a time
+        self.waiting: dict[socket.socket, None] = {}  # not yet authenticated, oldest first
+        self.done = threading.Event()
 
     def serve(self, connections: int, deadline: float) -> int:
-        """Answer until `connections` peers were measured, the deadline passed, or the socket
-        was closed; the number measured."""
-        while self.served < connections and (left := deadline - time.monotonic()) > 0:
-            self.server.settimeout(left)
-            try:
-                conn, _ = self.server.accept()
-            except TimeoutError:
-                break
-            except OSError as err:
-                if self.server.fileno() < 0 or err.errno == errno.EINVAL:
-                    break  # closed or shut down: the server's life has ended
-                self.refused[f"not accepted ({err.strerror})"] += 1
-                time.sleep(0.05)
-                continue
-            with conn:
-                self.answer(conn, deadline)
+        """Answer until `connections` peers were measured, the deadline passed, or the sockets
+        were closed; the number measured."""
+        selector = selectors.DefaultSelector()
+        for server in self.servers:
+            server.setblocking(False)
+            selector.register(server, selectors.EVENT_READ)
+        try:
+            while self.served < connections and (left := deadline - time.monotonic()) > 0:
+                if self.done.is_set():
+                    break
+                for key, _ in selector.select(timeout=min(left, 0.2)):
+                    if not self._accept(key.fileobj, connections, deadline):  # type: ignore[arg-type]
+                        return self.served
+        except (OSError, ValueError):  # a socket closed under the selector: the server's end
+            pass
+        finally:
+            selector.close()
         return self.served
+
+    def _accept(self, server: socket.socket, connections: int, deadline: float) -> bool:
+        """Take one connection into a thread of its own (False: the server's life has ended)."""
+        try:
+            conn, _ = server.accept()
+        except BlockingIOError:
+            return True
+        except OSError as err:
+            if server.fileno() < 0 or err.errno == errno.EINVAL:
+                return False  # closed or shut down
+            self._count(f"not accepted ({err.strerror})")
+            time.sleep(0.05)
+            return True
+        conn.setblocking(True)
+        with self.lock:
+            if len(self.waiting) >= MAX_WAITING:
+                oldest = next(iter(self.waiting))
+                self.waiting.pop(oldest)
+                self.refused["too many connections waiting to authenticate"] += 1
+                with contextlib.suppress(OSError):
+                    oldest.shutdown(socket.SHUT_RDWR)
+            self.waiting[conn] = None
+        threading.Thread(
+            target=self._serve_one, args=(conn, connections, deadline), daemon=True
+        ).start()
+        return True
+
+    def _count(self, why: str) -> None:
+        with self.lock:
+            self.refused[why] += 1
+
+    def _serve_one(self, conn: socket.socket, connections: int, deadline: float) -> None:
+        with conn:
+            self.answer(conn, deadline)
+        with self.lock:
+            self.waiting.pop(conn, None)
+            if self.served >= connections:
+                self.done.set()
 
     def answer(self, conn: socket.socket, deadline: float) -> None:
         """One connection: measured, or refused and counted (whatever it sent)."""
         try:
             self.measured(conn, deadline)
         except Refused as err:
-            self.refused[str(err)] += 1
+            self._count(str(err))
             with contextlib.suppress(OSError):
                 conn.sendall(b"error %s\n" % str(err).encode())
         except OSError as err:
-            self.refused[f"connection error ({err.strerror or type(err).__name__})"] += 1
+            self._count(f"connection error ({err.strerror or type(err).__name__})")
         except Exception as err:  # one connection's failure is only its own
-            self.refused[f"an error serving it ({type(err).__name__})"] += 1
+            self._count(f"an error serving it ({type(err).__name__})")
 
     def measured(self, conn: socket.socket, deadline: float) -> None:
         """The conversation with one peer (Refused or OSError when it goes wrong)."""
@@ -321,11 +379,21 @@ class LinkServer:
         theirs, mac = expect(reader, HELLO, "a hello").groups()
         if not hmac.compare_digest(mac, proof(self.key, b"client", nonce, theirs)):
             raise Refused("not this check's key")
+        with self.lock:  # a peer of this run: never closed to make room
+            self.waiting.pop(conn, None)
         conn.sendall(b"welcome %s\n" % proof(self.key, b"server", theirs, nonce))
         reader.deadline = deadline  # a peer of this run: it has until the server's end
         pings = int(expect(reader, PING, f"ping <1-{MAX_PINGS}>")[1])
         if pings > MAX_PINGS:
             raise Refused(f"not ping <1-{MAX_PINGS}>")
+        with self.measuring:
+            self._measure(conn, reader, pings, deadline)
+        with self.lock:
+            self.served += 1
+
+    @staticmethod
+    def _measure(conn: socket.socket, reader: Reader, pings: int, deadline: float) -> None:
+        """The round trips, then the stream the peer asks for."""
         for _ in range(pings):
             conn.sendall(reader.byte())
         seconds = float(expect(reader, STREAM, "stream <seconds>")[1])
@@ -338,17 +406,41 @@ class LinkServer:
         while time.perf_counter() < ends:
             conn.sendall(payload)
         conn.shutdown(socket.SHUT_WR)
-        self.served += 1
 
 
-def serve(port: int, connections: int, timeout: float, key: bytes) -> LinkServer:
-    """Answer measurements on port until `connections` were measured or `timeout` passed."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
-        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        server.bind(("0.0.0.0", port))
-        server.listen(8)
-        found = LinkServer(server, key)
+def listeners(addresses: list[str], port: int) -> list[socket.socket]:
+    """A listening socket on `port` of each address; Refused naming one that does not bind."""
+    found: list[socket.socket] = []
+    try:
+        for address in addresses:
+            family = socket.AF_INET6 if ":" in address else socket.AF_INET
+            server = socket.socket(family, socket.SOCK_STREAM)
+            found.append(server)
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                server.bind((address, port))
+            except OSError as err:
+                raise Refused(f"cannot listen on {address}:{port}: {err.strerror}") from err
+            server.listen(64)
+    except BaseException:
+        for server in found:
+            server.close()
+        raise
+    return found
+
+
+def serve(
+    port: int, connections: int, timeout: float, key: bytes, addresses: list[str]
+) -> LinkServer:
+    """Answer measurements on `port` of each address until `connections` were measured or
+    `timeout` passed."""
+    servers = listeners(addresses, port)
+    try:
+        found = LinkServer(servers, key)
         found.serve(connections, time.monotonic() + timeout)
+    finally:
+        for server in servers:
+            server.close()
     return found
 
 
@@ -410,13 +502,17 @@ def main() -> None:
             },
             "port": {"type": "int", "default": 29500},
             "connections": {"type": "int", "default": 1},
+            "addresses": {"type": "list", "elements": "str", "default": []},
             "timeout": {"type": "float", "default": 60.0},
             "address": {"type": "str"},
             "seconds": {"type": "float", "default": 1.0},
             "pings": {"type": "int", "default": 20},
             "key": {"type": "str", "no_log": True},
         },
-        required_if=[("mode", "serve", ["key"]), ("mode", "measure", ["address", "key"])],
+        required_if=[
+            ("mode", "serve", ["key", "addresses"]),
+            ("mode", "measure", ["address", "key"]),
+        ],
         supports_check_mode=True,
     )
     p = module.params
@@ -436,7 +532,7 @@ def main() -> None:
     key = p["key"].encode()
     try:
         if p["mode"] == "serve":
-            server = serve(p["port"], p["connections"], p["timeout"], key)
+            server = serve(p["port"], p["connections"], p["timeout"], key, p["addresses"])
             module.exit_json(changed=False, served=server.served, refused=dict(server.refused))
         found = measure(
             p["address"],
@@ -449,6 +545,8 @@ def main() -> None:
     except OSError as err:
         module.fail_json(msg=f"llama_links: {p['mode']} on port {p['port']}: {err}")
     except Refused as err:
+        if p["mode"] == "serve":
+            module.fail_json(msg=f"llama_links: the link server {err}")
         module.fail_json(msg=f"llama_links: the link server on {p['address']}:{p['port']}: {err}")
     module.exit_json(changed=False, **found)
 

@@ -156,9 +156,10 @@ kept:
   returned: always
 unruled:
   description:
-    - When this call turns ufw on, the TCP ports processes listen on (other than on loopback)
-      that no rule names, each with the processes' names and as text (C(9100/tcp (python3)));
-      after it, only the sources allowed on every port reach them.
+    - When this call turns ufw on with an incoming default that denies, or turns an active
+      ufw's incoming default from allow to deny, the TCP ports processes listen on (other than
+      on loopback) that no rule names, each with the processes' names and as text
+      (C(9100/tcp (python3))); after it, only the sources allowed on every port reach them.
   type: list
   returned: always
 """
@@ -305,17 +306,19 @@ def main() -> None:
         module.fail_json(msg=f"llama_ufw: {problem}")
     params["rules"], params["absent"] = rules, absent
     added = run("show", "added")
+    defaults = UFW_DEFAULTS.read_text() if UFW_DEFAULTS.exists() else ""
     plan = ufwtext.plan(
         params,
         active=active,
         added=added,
         conf=UFW_CONF.read_text() if UFW_CONF.exists() else "",
-        defaults=UFW_DEFAULTS.read_text() if UFW_DEFAULTS.exists() else "",
+        defaults=defaults,
     )
     commands = plan.commands()
-    # ufw is about to be turned on: what listens and no rule names goes dark but for the nodes.
+    # ufw turns on, or its incoming default to deny: what listens and no rule names goes dark
+    # but for the nodes (the preview lists it).
     exposed: list[dict[str, Any]] = []
-    if ["--force", "enable"] in commands:
+    if ufwtext.goes_dark(plan, active=active, defaults=defaults):
         exposed = unruled(ufwtext.parse_added(added) + plan.add)
     saved = False
     if commands and not module.check_mode and params["rollback_dir"]:

@@ -159,9 +159,11 @@ options:
     description:
       - LLaMA-Factory training arguments (a mapping) that win over every default. Each key must
         be one of LLaMA-Factory's argument names (module_utils/planner/llamafactory_names.json),
-        and not one that the plan sets (output_dir, model_name_or_path, template, dataset and
-        the others of PLAN_OWNED in module_utils/planner/schema.py, which names the way to set
-        each).
+        and not one refused by its category (TRAIN_ARGS_REFUSED in
+        module_utils/planner/schema.py, docs/security.md), what the plan sets (output_dir,
+        resume_from_checkpoint, ...), what would leave the cluster (push_to_hub, ...) or reach
+        outside the run's directory (cache_dir, ...); each refusal names the way to set it.
+        report_to names only tensorboard, wandb, mlflow or swanlab.
     type: raw
     default: {}
   tokens_per_step:

@@ -319,9 +319,20 @@ class NodeAgent:
                 kind, link, data = self.events.get(timeout=max(0.0, remaining))
             except queue.Empty:
                 return
-            self.on_event(kind, link, data)
+            self.guarded(kind, link, data)
             if remaining <= 0:
                 return
+
+    def guarded(self, kind: str, link: Any, data: dict[str, Any] | None) -> None:  # noqa: ANN401
+        """One event, within its own boundary: whatever handling it raises is said in the log
+        and cuts the connection it came on (its peer may connect again), never the agent."""
+        try:
+            self.on_event(kind, link, data)
+        except Exception as err:  # one message's failure is only its own
+            who = getattr(link, "host", None) or "this node"
+            self.say(f"an error handling a {kind} event of {who}: {type(err).__name__}: {err}")
+            if link is not None:
+                link.close(f"an error handling its message ({type(err).__name__})")
 
     def on_event(self, kind: str, link: Any, data: dict[str, Any] | None) -> None:  # noqa: ANN401
         """One event (role-specific)."""

@@ -21,9 +21,10 @@ from typing import Any
 from . import protocol, wire
 from .launchers import launcher
 from .logs import first_error_lines
+from .messages import check_state
 from .procs import boot_id, busy_ports, listeners
 from .spec import JobSpec, Refused, check_name, load_spec, unit_name
-from .untrusted import read_json_untrusted, tail_untrusted, write_json
+from .untrusted import parse_json, read_json_untrusted, read_untrusted, tail_untrusted, write_json
 
 RECORDS = Path(os.environ.get("LLAMA_JOB_RECORDS", "/var/lib/llama-cluster/jobs"))
 
@@ -69,15 +70,42 @@ def leftovers(record: dict[str, Any]) -> list[int]:
     return launcher(record["supervisor"]).leftovers(record)
 
 
+# What a status or list skipped of the files the job's user writes, said in its output.
+WARNINGS: list[str] = []
+
+
+def read_state(record: dict[str, Any]) -> dict[str, Any]:
+    """The agent's state file of a record, read bounded (untrusted.MAX_READ, no link followed)
+    and typed (messages.check_state); {} for none yet, or one that is not a state (skipped, with
+    a warning that names it: the job's user, and the training code that runs as that user, can
+    write anything there)."""
+    path = str(record["state"])
+    text = read_untrusted(path, (0, int(record["uid"])))
+    if not text:
+        return {}
+    try:
+        state = check_state(parse_json(text))
+    except ValueError as err:  # messages.Malformed is a ValueError too
+        WARNINGS.append(f"skipped {path}: it holds no agent's state ({str(err)[:200]})")
+        return {}
+    return state
+
+
+def launch_state(record: dict[str, Any]) -> dict[str, Any]:
+    """The state of the launch a record is of ({} for none yet, or an earlier launch's)."""
+    state = read_state(record)
+    if state.get("job") != record["job"] or state.get("started_s", 0) < record.get("started_s", 0):
+        return {}
+    return state
+
+
 def rank_status(record: dict[str, Any]) -> protocol.RankStatus:
     """What one node's part of a job is doing (protocol.rank_status, from the files here)."""
     alive = agent_alive(record)
     left = [] if alive else leftovers(record)
-    owners = (0, int(record["uid"]))
-    state = read_json_untrusted(record["state"], owners)
-    if state.get("job") != record["job"] or state.get("started_s", 0) < record.get("started_s", 0):
-        state = {}  # an earlier launch's state, or none yet
+    state = launch_state(record)
     lost = not alive and not protocol.Phase.of(state.get("phase")).is_terminal()
+    owners = (0, int(record["uid"]))
     errors = first_error_lines(tail_untrusted(record["log"], owners)) if lost else []
     return protocol.rank_status(record, state, alive, left, errors)
 
@@ -87,9 +115,17 @@ def job_ranks(job: str) -> list[protocol.RankStatus]:
     return [rank_status(r) for r in read_records(job)]
 
 
+def with_warnings(document: dict[str, Any]) -> dict[str, Any]:
+    """A document to print, with what was skipped to make it (`warnings`), where anything was."""
+    if WARNINGS:
+        document = {**document, "warnings": list(dict.fromkeys(WARNINGS))}
+        WARNINGS.clear()
+    return document
+
+
 def status_document(job: str, ranks: list[protocol.RankStatus]) -> dict[str, Any]:
     """What `status` prints: the job's ranks on this node, each as the protocol's JSON."""
-    return {"job": job, "found": bool(ranks), "ranks": [r.to_dict() for r in ranks]}
+    return with_warnings({"job": job, "found": bool(ranks), "ranks": [r.to_dict() for r in ranks]})
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -104,7 +140,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     """`list [--active]`."""
     need_root()
     jobs = [rank_status(r) for r in read_records()]
-    emit({"jobs": [j.to_dict() for j in jobs if j.active or not args.active]})
+    emit(with_warnings({"jobs": [j.to_dict() for j in jobs if j.active or not args.active]}))
     return 0
 
 
@@ -218,7 +254,7 @@ def rejoin_refusal(record: dict[str, Any], now: float) -> str:
     """Why a node's part of a job is not started again at boot ("" when it is): only a worker's
     whose agent died without ending it (the node lost power, was killed or rebooted), not
     stopped, with a restart left, within the window in which its master waits for it."""
-    state = read_json_untrusted(record["state"], (0, int(record["uid"])))
+    state = read_state(record)
     if agent_alive(record) or record.get("stop_requested"):
         return "its agent runs, or it was stopped"
     if state.get("job") != record["job"] or protocol.Phase.of(state.get("phase")).is_terminal():
@@ -279,8 +315,8 @@ def wait_for_agent(record: dict[str, Any], timeout: float = 15.0) -> dict[str, A
     """Return once the agent has written its state; refuse with its log if it died first."""
     started = time.monotonic()
     while time.monotonic() < started + timeout:
-        state = read_json_untrusted(record["state"], (0, int(record["uid"])))
-        if state.get("job") == record["job"] and state.get("started_s", 0) >= record["started_s"]:
+        state = launch_state(record)
+        if state:
             return {"phase": state.get("phase"), "pid": state.get("pid")}
         if time.monotonic() > started + 1 and not agent_alive(record):
             words = launcher(record["supervisor"]).last_words(record)

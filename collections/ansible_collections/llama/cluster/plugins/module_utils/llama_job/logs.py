@@ -3,12 +3,14 @@ reports, whether a failure only echoes another node's, progress records and the 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
 import stat
 from typing import Any
+
+from .protocol import progress_record
+from .untrusted import parse_json, tail_untrusted
 
 # Lines worth showing from a failed node's log, and those that only echo another node's failure.
 ERROR_LINE = re.compile(
@@ -71,21 +73,17 @@ def is_peer_symptom(errors: list[str]) -> bool:
 
 
 def last_record(path: str) -> dict[str, Any]:
-    """The last complete JSON line of a trainer log, or {}."""
-    try:
-        with open(path, "rb") as handle:
-            handle.seek(0, os.SEEK_END)
-            handle.seek(max(0, handle.tell() - 8192))
-            lines = handle.read().decode("utf-8", "replace").splitlines()
-    except OSError:
-        return {}
-    for line in reversed(lines):
+    """The figures of the last JSON record of a trainer log (protocol.progress_record), or {}:
+    the last 8 KiB read, no link followed (the training code writes the log, whatever it
+    holds)."""
+    text = tail_untrusted(path, (os.getuid(),), 8192)
+    for line in reversed(text.splitlines()):
         try:
-            record = json.loads(line)
+            record = parse_json(line)
         except ValueError:
             continue
         if isinstance(record, dict):
-            return record
+            return progress_record(record)
     return {}
 
 

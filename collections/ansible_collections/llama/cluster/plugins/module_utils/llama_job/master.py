@@ -7,7 +7,6 @@ the same way in: the checkpoint every node holds first (`continue_run`), then it
 from __future__ import annotations
 
 import errno
-import math
 import os
 import socket
 import time
@@ -133,7 +132,7 @@ class MasterAgent(NodeAgent):
             self.server = self.listen()
             if self.server is None:
                 return False
-            self.hub = Hub(self.server, self.spec.key, self.spec.job, len(self.peers))
+            self.hub = Hub(self.server, self.spec.key, self.spec.job, self.host, self.spec.peers)
             self.hub.start(self.events)
         self.plan_saves()
         if self.spec.resume:
@@ -159,6 +158,8 @@ class MasterAgent(NodeAgent):
         )
 
     def finish(self) -> None:
+        self.last_refusals = -REFUSALS_EVERY  # what was refused since the last line, said now
+        self.report_refusals(time.monotonic())
         reason = self.reason.to_dict() if self.reason else None
         self.broadcast({"t": Kind.FINAL.value, "phase": self.phase.value, "reason": reason})
         if self.server is not None:
@@ -166,21 +167,25 @@ class MasterAgent(NodeAgent):
             self.server.close()
 
     def listen(self) -> socket.socket | None:
-        """The watchdog's listening socket."""
+        """The watchdog's listening socket, on the master's cluster address only (never every
+        interface: where that address does not bind, the job does not start, naming it)."""
         port, address = self.spec.watchdog_port, self.spec.master.address
         family = socket.AF_INET6 if ":" in address else socket.AF_INET
         server = socket.socket(family, socket.SOCK_STREAM)
         server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        for host in (address, ""):
-            try:
-                server.bind((host, port))
-                break
-            except OSError as err:
-                if err.errno != errno.EADDRNOTAVAIL or host == "":
-                    why = f"the watchdog cannot listen on port {port}: {err}"
-                    self.reason = self.failure(FailureKind.START, why)
-                    self.set_phase(Phase.FAILED)
-                    return None
+        try:
+            server.bind((address, port))
+        except OSError as err:
+            hint = (
+                f"{address} is not an address of this node: set its cluster_address"
+                if err.errno == errno.EADDRNOTAVAIL
+                else str(err)
+            )
+            why = f"the watchdog cannot listen on {address}:{port}: {hint}"
+            server.close()
+            self.reason = self.failure(FailureKind.START, why)
+            self.set_phase(Phase.FAILED)
+            return None
         server.listen(64)
         return server
 
@@ -198,6 +203,9 @@ class MasterAgent(NodeAgent):
             host = link.host if link else None
             if host in self.peers and self.peers[host].link is link:
                 self.peers[host].link = None
+                if link is not None and link.cut:  # it may connect again, within the peer timeout
+                    self.say(f"{host}: cut its connection ({link.cut}); waiting for it to return")
+                    return
                 self.peer_gone(
                     host,
                     "its agent closed the connection (the node or its llama-job ended)",
@@ -290,9 +298,8 @@ class MasterAgent(NodeAgent):
             errors=tuple(str(e) for e in data.get("errors") or []),
             cause=cause,
         )
-        at_s = data.get("at_s")
-        if isinstance(at_s, int | float) and not isinstance(at_s, bool) and math.isfinite(at_s):
-            reason = replace(reason, at_s=float(at_s))  # its clock: said, never ordered by
+        if data.get("at_s") is not None:  # its clock (messages.py: finite): said, never ordered by
+            reason = replace(reason, at_s=float(data["at_s"]))
         if isinstance(finished, str) and finished:
             peer.done = True
             self.after_finish(reason, finished)
@@ -412,9 +419,13 @@ class MasterAgent(NodeAgent):
             )
         self.report_refusals(now)
         for host, peer in self.peers.items():
-            if peer.link is not None and peer.seen is not None and now - peer.seen > self.t.peer:
+            # A peer heard from (connected, or its connection cut) whose silence outlasts the
+            # peer timeout.
+            heard = peer.seen is not None and peer.phase is not Phase.ABSENT
+            if heard and now - (peer.seen or now) > self.t.peer:
                 link, peer.link = peer.link, None
-                link.close()
+                if link is not None:
+                    link.close()
                 self.peer_gone(host, f"stopped answering (no heartbeat for {self.t.peer:.0f} s)")
         ticks = {
             Phase.STARTING: self.tick_starting,

@@ -16,6 +16,7 @@ shape. The messages on the wire are wire.py's. Stdlib only, Python 3.10 (it runs
 
 from __future__ import annotations
 
+import math
 import signal
 import time
 from collections.abc import Iterable, Mapping
@@ -131,7 +132,13 @@ def _int(value: object) -> int | None:
 
 
 def _number(value: object) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+    """A JSON number as a float (None for anything else, or an integer past a float's range)."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return None
 
 
 def _text(value: object) -> str | None:
@@ -159,6 +166,45 @@ def ranks_text(ranks: Iterable[int]) -> str:
 
 def _mapping(value: object) -> dict[str, Any]:
     return dict(value) if isinstance(value, Mapping) else {}
+
+
+# A trainer log record's figures, as every reader shows them (the training code writes the log:
+# each figure is kept only with its type, finite, and a text only short; the rest is left out).
+PROGRESS_COUNTS = ("current_steps", "total_steps")
+PROGRESS_NUMBERS = ("loss", "lr", "epoch", "percentage", "throughput", "total_tokens")
+PROGRESS_TEXTS = ("elapsed_time", "remaining_time")
+
+
+def progress_record(value: object) -> dict[str, Any]:
+    """A trainer log record (or a status's `progress`) as its figures: counts whole and not
+    negative, numbers finite, texts at most 32 characters; anything else left out."""
+    given = _mapping(value)
+    found: dict[str, Any] = {}
+    for key in PROGRESS_COUNTS:
+        count = _int(given.get(key))
+        if count is not None and count >= 0:
+            found[key] = count
+    for key in PROGRESS_NUMBERS:
+        number = _number(given.get(key))
+        if number is not None and math.isfinite(number):
+            found[key] = number if isinstance(given[key], float) else given[key]
+    for key in PROGRESS_TEXTS:
+        text = _text(given.get(key))
+        if text is not None and len(text) <= 32:
+            found[key] = text
+    return found
+
+
+def _peers(value: object) -> dict[str, Any]:
+    """A master's view of its peers: host -> {phase, connected, silent_s}, each of its type."""
+    return {
+        str(host)[:128]: {
+            "phase": Phase.of(_mapping(peer).get("phase")).value,
+            "connected": _mapping(peer).get("connected") is True,
+            "silent_s": _number(_mapping(peer).get("silent_s")),
+        }
+        for host, peer in list(_mapping(value).items())[:4096]
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -326,8 +372,8 @@ class RankStatus:
             restarts=_restarts(data.get("restarts")),
             exit_status=_int(data.get("exit_status")),
             reason=Failure.from_dict(data.get("reason")),
-            progress=_mapping(data.get("progress")),
-            peers=_mapping(data.get("peers")),
+            progress=progress_record(data.get("progress")),
+            peers=_peers(data.get("peers")),
             limits=_mapping(data.get("limits")),
             started=_text(data.get("started")),
             ended=_text(data.get("ended")),
@@ -437,8 +483,8 @@ def rank_status(
         restarts=_restarts(state.get("restarts")),
         exit_status=_int(state.get("exit_status")),
         reason=reason,
-        progress=_mapping(state.get("progress")),
-        peers=_mapping(state.get("peers")),
+        progress=progress_record(state.get("progress")),
+        peers=_peers(state.get("peers")),
         limits=_mapping(state.get("limits")),
         started=_text(record.get("started")),
         ended=_text(state.get("ended")),
@@ -649,7 +695,7 @@ class JobStatus:
             attempt=_int(data.get("attempt")) or 1,
             max_restarts=_int(data.get("max_restarts")) or 0,
             restarts=_restarts(data.get("restarts")),
-            progress=_mapping(data.get("progress")),
+            progress=progress_record(data.get("progress")),
             started=_text(data.get("started")),
             ended=_text(data.get("ended")),
             trainer_log=_mapping(data.get("trainer_log")),

@@ -3,6 +3,7 @@ once into dataclasses: nothing after load_spec looks at the raw JSON again."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -105,7 +106,10 @@ class JobSpec:
     master: Master
     timeouts: Timeouts
     token: str = ""  # the job's secret: the key of every message on the watchdog port
-    peers: tuple[str, ...] = ()
+    # The master's peers: each worker's inventory name and the address its agent connects from
+    # (its cluster_address): the watchdog serves no other address, and each only as that node.
+    peers: dict[str, str] = field(default_factory=dict)
+    address: str = ""  # this node's cluster_address, the source of a worker's connection
     ports: tuple[int, ...] = ()
     gate_port: int | None = None
     master_port: int | None = None
@@ -247,6 +251,23 @@ def _master(raw: Mapping[str, Any]) -> Master:
     return Master(host=str(given.get("host", raw["host"])), address=str(given.get("address", "")))
 
 
+def _peers(path: str, raw: Mapping[str, Any]) -> dict[str, str]:
+    """The master's peers: {host: its cluster address}, each host a name and each address an IP."""
+    given = raw.get("peers") or {}
+    if not isinstance(given, Mapping):
+        raise Refused(
+            f"{path}: peers must map each worker to its cluster_address (written by roles/job; "
+            "run the play again)"
+        )
+    for host, address in given.items():
+        check_name("peer", host)
+        try:
+            ipaddress.ip_address(address)
+        except (TypeError, ValueError) as err:
+            raise Refused(f"{path}: peers.{host} must be an IP address (got {address!r})") from err
+    return {str(host): str(address) for host, address in given.items()}
+
+
 def _optional_port(value: object) -> int | None:
     """A port the spec may leave out (null, 0 or "" for none; a number or its digits)."""
     if isinstance(value, str) and value.strip().isdigit():
@@ -280,7 +301,8 @@ def parse_spec(path: str, raw: Mapping[str, Any]) -> JobSpec:
         master=_master(raw),
         timeouts=Timeouts.from_spec(path, raw.get("timeouts")),
         token=str(raw.get("token") or ""),
-        peers=tuple(str(h) for h in raw.get("peers") or []),
+        peers=_peers(path, raw),
+        address=str(raw.get("address") or ""),
         ports=tuple(int(p) for p in raw.get("ports") or []),
         gate_port=_optional_port(raw.get("gate_port")),
         master_port=_optional_port(raw.get("master_port")),

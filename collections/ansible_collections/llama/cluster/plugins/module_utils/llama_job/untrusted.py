@@ -37,13 +37,26 @@ def read_untrusted(path: str | Path, owners: tuple[int, ...], limit: int = MAX_R
         return handle.read(limit).decode("utf-8", "replace")
 
 
+def _no_constant(word: str) -> object:
+    raise ValueError(f"{word} is not a number JSON has")
+
+
+def parse_json(text: str) -> object:
+    """JSON from a text another account wrote: ValueError for anything that is not (too deep
+    for the parser, NaN or Infinity included)."""
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except RecursionError as err:
+        raise ValueError("nested too deep") from err
+
+
 def read_json_untrusted(path: str | Path, owners: tuple[int, ...]) -> dict[str, Any]:
     """A JSON object from a file the job's user may have written, or {}."""
     text = read_untrusted(path, owners)
     if not text:
         return {}
     try:
-        data = json.loads(text)
+        data = parse_json(text)
     except ValueError:
         return {}
     return data if isinstance(data, dict) else {}

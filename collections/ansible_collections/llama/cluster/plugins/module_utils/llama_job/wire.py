@@ -1,12 +1,15 @@
 """The llama-job wire: the messages on the watchdog port (`Kind`) and their framing.
 
 Every message is one line, `<seq> <mac> <body>`: a sequence number, the HMAC-SHA256 (64 hex
-digits) under the job's secret of the job id, the sequence number and the body as they are on
-the wire, and the body, the message's canonical JSON. The secret never crosses the wire. A line is
-checked on its raw bytes first: one longer than MAX_LINE, not of that shape, whose mac does not
+digits) under the job's secret of its context (`context`: the job, the connection, the sender
+and the receiver), the sequence number and the body as they are on the wire, and the body, the
+message's canonical JSON. The secret never crosses the wire. A line is checked on its raw
+bytes first: one longer than MAX_LINE, not of that shape, whose mac does not
 verify or whose sequence number is not above the last one accepted on that connection is refused
 before any JSON is parsed; a body that verifies is parsed only when it nests at most MAX_DEPTH
-deep. Only link.py reads this module. Stdlib only, Python 3.10 (it runs on the nodes).
+deep and holds finite numbers only (NaN, Infinity, 1e400 are refused); messages.py then checks
+its fields. Only link.py and messages.py read this module. Stdlib only, Python 3.10 (it runs on
+the nodes).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import re
 from collections.abc import Mapping
 from enum import Enum
@@ -47,6 +51,29 @@ class Kind(str, Enum):
 # --------------------------------------------------------------------------------------------
 class BadMessage(ValueError):
     """A line that is not a message of this job: too long, malformed, forged or replayed."""
+
+
+class Malformed(BadMessage):
+    """A line that verified (its sender holds the job's key) but holds no message: too deep,
+    no JSON, a number that is not finite, or a message that breaks its schema (messages.py)."""
+
+
+def context(job: str, nonce: str, sender: str, receiver: str) -> str:
+    """What a message's mac covers besides its number and body: the job, the connection (the
+    master's challenge nonce; "" for the challenge itself), and who sends it to whom, so that a
+    message reflected back to its sender, or carried to another connection, does not verify."""
+    return f"{job}:{nonce}:{sender}>{receiver}"
+
+
+def _no_constant(word: str) -> object:
+    raise ValueError(f"{word} is not a finite number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400
+        raise ValueError(f"{text} is not a finite number")
+    return value
 
 
 FRAME = re.compile(rb"(0|[1-9][0-9]{0,17}) ([0-9a-f]{64}) (\{.*\})\n?", re.DOTALL)
@@ -101,12 +128,12 @@ def unseal(key: bytes, job: str, line: bytes, last_seq: int) -> tuple[int, dict[
     if seq <= last_seq:
         raise BadMessage(f"replayed (sequence {seq}, last {last_seq})")
     if too_deep(text):
-        raise BadMessage(f"nested deeper than {MAX_DEPTH}")
+        raise Malformed(f"nested deeper than {MAX_DEPTH}")
     try:
-        body = json.loads(text.decode("ascii"))
+        body = json.loads(text.decode("ascii"), parse_constant=_no_constant, parse_float=_finite)
         json.dumps(body, ensure_ascii=False).encode()  # a lone surrogate cannot be written out
     except (ValueError, RecursionError) as err:  # UnicodeError is a ValueError
-        raise BadMessage("no JSON in the frame") from err
+        raise Malformed("no JSON in the frame") from err
     if not isinstance(body, dict) or not isinstance(body.get("t"), str):
-        raise BadMessage("no message in the frame")
+        raise Malformed("no message in the frame")
     return seq, body

@@ -67,7 +67,13 @@ class WorkerAgent(NodeAgent):
                 continue
             hello = {"host": self.host, "rank": self.spec.rank, "phase": self.phase.value}
             link, why = connect(
-                address, port, self.spec.key, self.spec.job, {**hello, "attempt": self.attempt}
+                address,
+                port,
+                self.spec.key,
+                self.spec.job,
+                {**hello, "attempt": self.attempt},
+                master=self.master_host,
+                source=self.spec.address,
             )
             if link is None:
                 kind = "rejected" if why.startswith("rejected: ") else "unreached"
@@ -112,7 +118,9 @@ class WorkerAgent(NodeAgent):
                 self.say(f"dropped {link.dropped.total()} lines of the master's connection: {said}")
             if link is self.uplink:
                 self.uplink = None
-                if self.master_seen is not None:
+                if link is not None and link.cut:  # connect again; a silent master still counts
+                    self.say(f"cut the master's connection ({link.cut}); connecting again")
+                elif self.master_seen is not None:
                     self.master_gone("the master's agent closed the connection")
         elif link is self.uplink and data is not None:
             self.heard_master()

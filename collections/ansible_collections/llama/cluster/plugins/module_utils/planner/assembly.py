@@ -10,7 +10,7 @@ from dataclasses import replace
 from typing import Any
 
 from .checkpoints import sharded_checkpoints
-from .cost import Link
+from .cost import Link, step_cost
 from .decisions import (
     Batch,
     BatchRequest,
@@ -21,7 +21,10 @@ from .decisions import (
     choose_fp8,
     choose_stage,
     estimate_steps,
+    first_step,
+    fp8_pays,
     largest_micro,
+    step_rows,
 )
 from .disk import disk_estimate
 from .errors import TRAINING_FILE, PlanError
@@ -150,9 +153,26 @@ def _searched(
         "numerics": request["numerics"],
         "quantization": int(request.get("quantization_bit") or 0),
         "available": available,
+        # torch.compile's twins, unless train_args sets torch_compile (then kept as set)
+        "compiling": "torch_compile" not in explicit,
     }
     tries = _tries(stages, memory, explicit, **how)
     options, skipped = ranked(memory, asks, shape, link, rank, tries=tries)
+    ask = asks.get("none") or next(iter(asks.values()))
+    rows = {"per_device_train_batch_size": step_rows(ask), "gradient_accumulation_steps": 1}
+    steps = estimate_steps(
+        {**merged, **rows, "packing": ask.packing},
+        records=request.get("dataset_records"),
+        world=memory.world,
+        cutoff=ask.cutoff,
+        record_tokens=int(settings.compile["record_tokens"]),
+    )
+    repaid = {"steps": steps, "settings": settings, "shape": shape, "link": link, "memory": memory}
+    options = [o for o in options if _compiling_repays(o, **repaid)]
+    # Scaling and the ways out re-rank these techniques on other nodes: only the compiled twins
+    # whose compilation this run repays.
+    kept = {o.technique for o in options}
+    tries = {s: tuple(t for t in ts if not t.compiled or t in kept) for s, ts in tries.items()}
     on_gpu = [o for o in options if o.stage not in PARAMETER_OFFLOAD]
     if on_gpu or how["quantization"]:
         return Search(asks, shape, rank, options, skipped, tries)
@@ -164,6 +184,32 @@ def _searched(
     both = sorted([*options, *quantized], key=lambda o: o.cost.total / o.cost.tokens)
     merged = {stage: tries[stage] + extra[stage] for stage in stages}
     return Search(asks, shape, rank, both, skipped, merged, fallback=bool(both[0].technique.quant))
+
+
+def _compiling_repays(
+    option: Option,
+    *,
+    steps: int | None,
+    settings: Settings,
+    shape: Any,  # noqa: ANN401 - measured_memory.Shape
+    link: Link | None,
+    memory: Memory,
+) -> bool:
+    """Whether a candidate is uncompiled, or compiled and its compilation repaid over the run
+    (choose_compile, from the step time of its uncompiled twin)."""
+    if not option.technique.compiled:
+        return True
+    twin = replace(option.setup, technique=option.technique.uncompiled)
+    use, _ = choose_compile(
+        "gpu",
+        option.stage,
+        steps,
+        settings.compile,
+        step_seconds=step_cost(shape, twin, world=memory.world, link=link).total,
+        finetuning=memory.finetuning,
+        technique=option.technique,
+    )
+    return use
 
 
 def _stage_and_profile(
@@ -318,9 +364,11 @@ def _training_args(
     explicit: Mapping[str, Any],
     settings: Settings,
     cost: Callable[[Batch], float] | None = None,
+    uncompiled: Callable[[Batch], float] | None = None,
 ) -> tuple[dict[str, Any], dict[str, str], Batch, int | None]:
     """The training arguments: defaults < computed (batch, checkpointing, compile) < explicit;
-    the decisions, the batch and the estimated optimizer steps (None: unknown)."""
+    the decisions, the batch and the estimated optimizer steps (None: unknown). `uncompiled`:
+    a batch's predicted step time with the technique uncompiled (what compiling saves from)."""
     merged = {**settings.defaults, **explicit}
     decisions = {}
     computed: dict[str, Any] = {}
@@ -362,17 +410,18 @@ def _training_args(
         record_tokens=int(settings.compile["record_tokens"]),
     )
     accelerator = "cpu" if memory.budget is None else "gpu"
+    # With a search, compiling is the technique's (a candidate of its own); without one (a CPU,
+    # a model of unknown shape), the rule of choose_compile alone.
     use, why = choose_compile(
         accelerator,
         stage,
         steps,
         settings.compile,
-        step_seconds=cost(batch) if cost is not None else None,
+        step_seconds=uncompiled(batch) if uncompiled is not None else None,
         finetuning=str(model.get("finetuning_type") or "full"),
+        technique=memory.technique,
     )
-    if use and (memory.technique.liger or memory.technique.quant):
-        use, why = False, "not measured with Liger kernels or QLoRA"
-    if use:
+    if use and uncompiled is None:
         computed["torch_compile"] = True
     decisions["torch_compile"] = "as set" if "torch_compile" in explicit else why
     decisions["estimated_steps"] = str(steps)
@@ -470,12 +519,11 @@ def assemble(
         raise PlanError(_cpu_memory_refusal(memory, smallest_host))
     technique = _technique(search, stage)
     memory = replace(memory, technique=technique)
-    cost = None
-    if search is not None:
-        cost = search.cost_function(memory, stage, int(model["cutoff_len"]), link)
+    cost, uncompiled = _costs(search, memory, stage, int(model["cutoff_len"]), link)
     args, decisions, batch, steps = _training_args(
-        request, model, memory, stage=stage, explicit=explicit, settings=data, cost=cost
-    )
+        request, model, memory, stage=stage, explicit=explicit, settings=data, cost=cost,
+        uncompiled=uncompiled,
+    )  # fmt: skip
     performance, performance_lines = assess(
         search,
         memory,
@@ -499,16 +547,10 @@ def assemble(
         )
     decisions["deepspeed"] = stage_why
     decisions["technique"] = _technique_line(search, technique, request["numerics"], available)
-    environment: dict[str, str] = {}
-    # -e fp8=true, or fp8 in train_args (which alone would train in bf16: choose_fp8 says why).
-    if request.get("fp8") or args.get("fp8") is True:
-        if request["numerics"] == "exact":
-            raise PlanError(
-                "FP8 changes the run's numerics, and numerics=exact forbids every such change. "
-                "Leave fp8 off, or set -e numerics=measured."
-            )
-        fp8_args, environment, decisions["fp8"] = choose_fp8(nodes, accelerator, stage)
-        args = {**args, **fp8_args}
+    args, environment = _precision(
+        request, model, args, decisions, nodes=nodes, stage=stage, settings=data,
+        step_seconds=cost(batch) if cost is not None else None, steps=steps,
+    )  # fmt: skip
     environment.update(stage_environment(stage))
     micro = int(args.get("per_device_train_batch_size", 1))
     accumulation = int(args.get("gradient_accumulation_steps", 1))
@@ -600,6 +642,62 @@ def assemble(
     }
     result["summary"] = summary(result, smallest, smallest_host, performance_lines)
     return result
+
+
+def _precision(
+    request: Mapping[str, Any],
+    model: Mapping[str, Any],
+    args: dict[str, Any],
+    decisions: dict[str, str],
+    *,
+    nodes: Sequence[Mapping[str, Any]],
+    stage: str,
+    settings: Settings,
+    step_seconds: float | None,
+    steps: int | None,
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """FP8 where asked (-e fp8=true, or fp8 in train_args, which alone would train in bf16:
+    choose_fp8 says why) and the time to the first step; the arguments and the ranks'
+    environment, the decisions' lines added."""
+    accelerator = nodes[0]["accelerator"] if nodes else "cpu"
+    environment: dict[str, str] = {}
+    if request.get("fp8") or args.get("fp8") is True:
+        if request["numerics"] == "exact":
+            raise PlanError(
+                "FP8 changes the run's numerics, and numerics=exact forbids every such change. "
+                "Leave fp8 off, or set -e numerics=measured."
+            )
+        pays = fp8_pays(
+            float(model["params_b"]), steps=steps, step_seconds=step_seconds,
+            settings=settings.compile,
+        )  # fmt: skip
+        fp8_args, environment, decisions["fp8"] = choose_fp8(nodes, accelerator, stage, pays)
+        args = {**args, **fp8_args}
+    if accelerator == "cpu":
+        decisions["first_step"] = "not predicted (a CPU cluster: measured on GPUs)"
+    else:
+        _, decisions["first_step"] = first_step(
+            float(model["params_b"]),
+            compiled=bool(args.get("torch_compile")),
+            fp8=bool(args.get("fp8")),
+            finetuning=str(model["finetuning_type"]),
+            settings=settings.compile,
+        )
+    return args, environment
+
+
+def _costs(
+    search: Search | None, memory: Memory, stage: str, cutoff: int, link: Link | None
+) -> tuple[Callable[[Batch], float] | None, Callable[[Batch], float] | None]:
+    """A batch's predicted step time with the memory's technique, and with it uncompiled (None
+    where there is no search)."""
+    if search is None:
+        return None, None
+    twin = replace(memory, technique=memory.technique.uncompiled)
+    return (
+        search.cost_function(memory, stage, cutoff, link),
+        search.cost_function(twin, stage, cutoff, link),
+    )
 
 
 def _cpu_memory(memory: Memory, nodes: Sequence[Mapping[str, Any]], data: Settings) -> Memory:

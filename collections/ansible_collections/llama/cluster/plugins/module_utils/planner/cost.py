@@ -28,6 +28,8 @@ untied input embedding, which is a lookup; N_t the trainable ones; L layers) cos
   fused cross-entropy computes the logits in chunks instead of whole (A T V h x `liger/<kind>`,
   fitted, and negative where the kernels are faster than what they replace); QLoRA's
   dequantization of the 4-bit linear weights for every micro-batch (A N_linear x `qlora`);
+  torch.compile: the compute of the same technique uncompiled, less the share compiling saved it
+  (techniques.COMPILE_SAVING, measured beside its uncompiled twin; `compiled_share`);
 - communication (`communication`): the bytes each stage moves per step over the slowest link,
   ring arithmetic, plus a latency per collective and `comm_fixed` per step on more than one rank.
   The hybrid stages (ZeRO++ hpZ, FSDP's hybrid shard: several ranks per node) move part of their
@@ -217,6 +219,15 @@ def features(shape: Shape, setup: Setup, world: int = 1) -> dict[str, float]:
     return terms
 
 
+def compiled_share(setup: Setup) -> float:
+    """What is left of a step's compute under torch.compile: 1 - the share its technique saved
+    compiled (planner/techniques.py COMPILE_SAVING); 1 uncompiled. Measured on one GPU: the
+    communication is not counted as compiled."""
+    if not setup.technique.compiled:
+        return 1.0
+    return 1.0 - (setup.technique.compile_saving(setup.finetuning) or 0.0)
+
+
 def dot(terms: Mapping[str, float], coefficients: Mapping[str, float]) -> float:
     """Sum of each term times its coefficient (0 for a name without one)."""
     return sum(coefficients.get(name, 0.0) * value for name, value in terms.items())
@@ -377,7 +388,7 @@ def step_cost(
     """The predicted time of one optimizer step (see the module docstring)."""
     moved = traffic(shape, setup, world)
     return StepCost(
-        compute=dot(features(shape, setup, world), coefficients),
+        compute=dot(features(shape, setup, world), coefficients) * compiled_share(setup),
         communication=communication_seconds(moved, link, world),
         traffic=moved,
         tokens=setup.micro_tokens * setup.accumulation,

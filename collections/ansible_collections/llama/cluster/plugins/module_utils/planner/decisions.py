@@ -13,6 +13,7 @@ from typing import Any
 
 from .errors import PlanError
 from .memory import Memory, gib_text
+from .techniques import PLAIN, Technique
 
 STAGE_ORDER = {
     # Never ZeRO-3 while a smaller stage fits: it gathers every layer's weights over the network
@@ -269,6 +270,14 @@ def _round(value: float) -> int:
     return math.floor(value + 0.5)
 
 
+def step_rows(ask: BatchRequest) -> int:
+    """Rows (packed) or samples of one process per optimizer step, however batch_options splits
+    them into micro-batch x accumulation."""
+    if (ask.micro and ask.accumulation) or not ask.packing:
+        return (ask.micro or ask.default_micro) * (ask.accumulation or ask.default_accumulation)
+    return max(1, _round(ask.tokens_per_step / ask.cutoff))
+
+
 def estimate_steps(
     args: Mapping[str, Any], *, records: int | None, world: int, cutoff: int, record_tokens: int
 ) -> int | None:
@@ -289,6 +298,17 @@ def estimate_steps(
     return int(float(args.get("num_train_epochs", 1)) * math.ceil(records / per_step))
 
 
+def _compile_blocked(accelerator: str, stage: str, steps: int | None) -> str:
+    """Why torch.compile cannot be weighed at all ('' when it can)."""
+    if accelerator == "cpu":
+        return "never on CPUs"
+    if stage != "none":
+        return "measured with plain DDP only, not with DeepSpeed or FSDP"
+    if steps is None:
+        return "run length unknown: no max_steps and no dataset record count"
+    return ""
+
+
 def choose_compile(
     accelerator: str,
     stage: str,
@@ -297,31 +317,34 @@ def choose_compile(
     *,
     step_seconds: float | None = None,
     finetuning: str = "full",
+    technique: Technique = PLAIN,
 ) -> tuple[bool, str]:
     """torch.compile when the run is long enough to repay its compilation; never on CPUs.
 
-    With a predicted step time (the cost model's), compiling pays when the time it saves over
-    the run, `steps` x `step_seconds` x the measured saving, is at least its measured one-off
-    cost; near that point either choice costs little. Without one (no model shape), the run
-    must have `min_optimizer_steps`.
+    With a predicted step time of `technique` uncompiled (the cost model's), compiling pays when
+    the time it saves over the run, `steps` x `step_seconds` x the share of a step it saved that
+    technique (techniques.COMPILE_SAVING), is at least its measured one-off cost; near that point
+    either choice costs little. A technique it was not measured with is not compiled. Without a
+    step time (no model shape), the run must have `min_optimizer_steps`.
     """
-    if accelerator == "cpu":
-        return False, "never on CPUs"
-    if stage != "none":
-        return False, "measured with plain DDP only, not with DeepSpeed or FSDP"
-    if steps is None:
-        return False, "run length unknown: no max_steps and no dataset record count"
+    blocked = _compile_blocked(accelerator, stage, steps)
+    if blocked or steps is None:
+        return False, blocked
     if step_seconds is None:
         minimum = int(settings["min_optimizer_steps"])
         if steps < minimum:
             return False, f"about {steps} optimizer steps, fewer than the {minimum} that repay it"
         return True, f"about {steps} optimizer steps (model shape unknown: at least {minimum})"
+    saving = technique.compile_saving(finetuning)
+    if saving is None:
+        failed = technique.compile_failure(finetuning)
+        return False, failed or f"not measured with {technique.uncompiled.label()}"
     costs = settings["compile_seconds"]
     cost = float(costs.get("lora" if finetuning == "lora" else "full", 0))
-    saved = steps * step_seconds * float(settings["step_saving"])
+    saved = steps * step_seconds * saving
     verdict = (
-        f"about {steps} optimizer steps of ~{step_seconds:.2f} s save ~{saved:.0f} s against "
-        f"~{cost:.0f} s of compiling"
+        f"about {steps} optimizer steps of ~{step_seconds:.2f} s save ~{saved:.0f} s "
+        f"({saving:.0%} of each) against ~{cost:.0f} s of compiling"
     )
     return saved >= cost, verdict
 
@@ -331,16 +354,68 @@ FP8_MIN_CAPABILITY = 8.9
 # LLaMA-Factory 0.9.5's `fp8: true` alone trains in bf16 under transformers 5.6 (BENCHMARKS.md 7,
 # third session): TrainingArguments fixes mixed_precision from bf16 before LLaMA-Factory sets
 # ACCELERATE_MIXED_PRECISION. The variable in the ranks' environment and bf16 off make it real.
-FP8_TRAIN_ARGS = {"fp8": True, "fp8_backend": "torchao", "bf16": False}
+# FP8 was measured compiled only (torchao's float8 casts are fused by torch.compile).
+FP8_TRAIN_ARGS = {"fp8": True, "fp8_backend": "torchao", "bf16": False, "torch_compile": True}
 FP8_ENVIRONMENT = {"ACCELERATE_MIXED_PRECISION": "fp8"}
+# What FP8 gave, by the shape it was measured at (parameters in billions): its tokens/s over
+# bf16's, both compiled, on one H200 (BENCHMARKS.md 7, third session). Elsewhere not measured.
+FP8_MEASURED = {1.54: 1.06}
+FP8_SHAPES = "; ".join(f"{b:g}B full fine-tune {x:g}x bf16" for b, x in FP8_MEASURED.items())
+
+
+def first_step(
+    params_b: float, *, compiled: bool, fp8: bool, finetuning: str, settings: Mapping[str, Any]
+) -> tuple[float, str]:
+    """Seconds from a rank's launch to its first optimizer step (start-up and the model's load,
+    then compiling), and the plan's words for it (training_compile's measured figures)."""
+    start = float(settings["startup_seconds"]) + float(settings["load_seconds_per_b"]) * params_b
+    kind = "fp8" if fp8 else "lora" if finetuning == "lora" else "full"
+    compiling = float(settings["compile_seconds"][kind]) if compiled or fp8 else 0.0
+    text = (
+        f"about {start + compiling:.0f} s after the ranks start (start-up and loading the model "
+        f"~{start:.0f} s" + (f", compiling ~{compiling:.0f} s" if compiling else "") + ")"
+    )
+    return start + compiling, text
+
+
+def fp8_pays(
+    params_b: float,
+    *,
+    steps: int | None,
+    step_seconds: float | None,
+    settings: Mapping[str, Any],
+) -> tuple[bool, str]:
+    """Whether FP8 ends the run sooner than bf16 compiled: its measured gain at this shape over
+    the run's steps against its longer compilation; True, with why, where not measured."""
+    measured = next((x for b, x in FP8_MEASURED.items() if abs(b - params_b) <= 0.25 * b), None)
+    if measured is None:
+        return True, f"not measured at {params_b:g}B (measured: {FP8_SHAPES})"
+    extra = float(settings["compile_seconds"]["fp8"]) - float(settings["compile_seconds"]["full"])
+    if steps is None or step_seconds is None:
+        return True, f"{measured:g}x bf16 measured at this shape; the run's length is unknown"
+    saved = steps * step_seconds * (1 - 1 / measured)
+    why = (
+        f"about {steps} optimizer steps of ~{step_seconds:.2f} s save ~{saved:.0f} s at the "
+        f"{measured:g}x measured at this shape, against ~{extra:.0f} s more compiling than bf16"
+    )
+    return saved >= extra, why
 
 
 def choose_fp8(
-    nodes: Sequence[Mapping[str, Any]], accelerator: str, stage: str
+    nodes: Sequence[Mapping[str, Any]],
+    accelerator: str,
+    stage: str,
+    pays: tuple[bool, str] = (True, "run length unknown"),
 ) -> tuple[dict[str, Any], dict[str, str], str]:
     """The training arguments and environment of an FP8 run, and the plan's line about it;
-    PlanError where FP8 cannot run, naming the nodes and the way out."""
+    PlanError where FP8 cannot run, naming the nodes and the way out, or where it would end
+    the run later than bf16 (`pays`: fp8_pays)."""
     off = "Leave fp8 off (bf16)"
+    if not pays[0]:
+        raise PlanError(
+            f"FP8 would end this run later than bf16: {pays[1]}. {off}, or train longer "
+            "(max_steps, num_train_epochs)."
+        )
     if accelerator == "cpu":
         raise PlanError(f"FP8 needs NVIDIA GPUs; this cluster trains on CPUs. {off}.")
     unknown = [n["host"] for n in nodes if n.get("compute_capability") is None]
@@ -374,8 +449,8 @@ def choose_fp8(
             f"{off}."
         )
     line = (
-        "FP8: on (torchao float8 linear layers, bf16 autocast; measured on one H200 for a 1.5B "
-        "full fine-tune: 1.06x bf16's tokens/s, 16 % less GPU memory, about 4 minutes of "
-        "compiling, loss within 0.6 of bf16's over 70 steps)"
+        "FP8: on (torchao float8 linear layers, bf16 autocast, compiled; what it gives, measured "
+        f"on one H200: {FP8_SHAPES}, 16 % less GPU memory, about 4 minutes of compiling, loss "
+        f"within 0.6 of bf16's over 70 steps; this run: {pays[1]})"
     )
     return dict(FP8_TRAIN_ARGS), dict(FP8_ENVIRONMENT), line

@@ -44,6 +44,11 @@ tests/data/cards_grid.json, BENCHMARKS.md section 10) change three terms:
 - Liger's fused linear cross-entropy never holds a micro-batch's logits whole: `vocab` gives way
   to `vocab_liger` per token and vocabulary entry (what the lm_head's fp32 gradient and the
   kernel's chunks hold instead);
+- torch.compile (issue 46, tests/data/compile_grid.json, BENCHMARKS.md section 12): the compiled
+  loss never holds the fp32 logits and their gradient separately, so `vocab` gives way to
+  `vocab_compiled` (fitted on the 8B LoRA at 4 rows; held out: the 8B LoRA at 2 rows, -0.4 %,
+  and the 1.5B full fine-tune with 8-bit AdamW at 2 rows, -1.5 %). Liger's term, where Liger
+  runs, stays Liger's;
 - QLoRA: the decoder's linear weights are 4-bit (`qlora_linear` bytes each, quantization
   constants included), the embedding and lm_head stay bf16 (`qlora_embedding`), instead of the
   LoRA run's per-parameter terms; activations as LoRA's.
@@ -79,6 +84,8 @@ COEFFICIENTS: dict[str, float] = {
     "adamw_8bit/backward": 4.9363,
     "adamw_8bit/step": 5.0256,
     "vocab_liger": 0.4782,
+    # Issue 46 (bench/gpu/compile_grid.py on tests/data/compile_grid.json, one H100).
+    "vocab_compiled": 4.23,
     "qlora_linear": 0.3694,
     "qlora_embedding": 2.0,
     "step/full/zero2_offload": 1.9696,
@@ -184,8 +191,14 @@ def features(
     }
     if checkpointing:
         act[f"checkpointed_layer_hidden_{width}"] = t * shape.layers * shape.hidden
-    # The logits are never checkpointed; Liger's fused cross-entropy never holds them whole.
-    act["vocab_liger" if technique.liger else "vocab"] = t * shape.vocab
+    # The logits are never checkpointed; Liger's fused cross-entropy never holds them whole, and
+    # a compiled loss holds less of them.
+    vocab = "vocab"
+    if technique.liger:
+        vocab = "vocab_liger"
+    elif technique.compiled:
+        vocab = "vocab_compiled"
+    act[vocab] = t * shape.vocab
     weights = {f"{{moment}}/{group}": n}
     if technique.quant:  # QLoRA: 4-bit linear weights, bf16 embedding and lm_head
         embedding = embedding_params(shape)

@@ -200,7 +200,98 @@ PLAN_OWNED = {
     "fsdp": "ask with -e deepspeed=fsdp",
     "fsdp_config": "ask with -e deepspeed=fsdp",
     "tokenized_path": "training_pretokenize in group_vars/all/training.yml decides it",
+    "resume_from_checkpoint": (
+        "continue a run with -e resume=true [-e run_id=<id>]: from the newest checkpoint every "
+        "node holds complete, newer ones set aside"
+    ),
+    "trust_remote_code": "ask with -e trust_remote_code=true",
+    "master_addr": "the launcher sets it: the master's cluster_address",
+    "master_port": "the launcher sets it: master_port in the inventory",
+    "local_rank": "the launcher sets each process's",
+    "ddp_backend": "the accelerator decides it: nccl on GPUs, gloo on CPUs",
 }
+
+# train_args keys refused by what they would do (PLAN_OWNED above: what the plan owns), each
+# with the supported way. Every other argument (the training's hyper-parameters) passes.
+# docs/security.md, "A caller's settings", is this table in words.
+UPLOAD = (
+    "no run uploads its model or data: bring the run back (playbooks/logs.yml, runs/<run id>/; "
+    "a merged model: playbooks/export.yml) and upload it yourself"
+)
+TRACKING = (
+    "experiment trackers are -e report_to=<tensorboard|wandb|mlflow|swanlab>, their settings "
+    "tracking_environment and their keys tracking_secrets (docs/after-training.md)"
+)
+HUB_TOKEN = (
+    "the token of a gated model is hf_token (or modelscope_token), sent only to the model hub "
+    "and never written into train.yaml (docs/models-and-datasets.md)"
+)
+OFF_CLUSTER: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "push_to_hub",
+            "hub_model_id",
+            "hub_strategy",
+            "hub_private_repo",
+            "hub_always_push",
+            "hub_revision",
+            "export_hub_model_id",
+        ),
+        UPLOAD,
+    ),
+    **dict.fromkeys(("hub_token", "hf_hub_token", "ms_hub_token", "om_hub_token"), HUB_TOKEN),
+    **dict.fromkeys(
+        (
+            "use_swanlab",
+            "swanlab_api_key",
+            "swanlab_project",
+            "swanlab_workspace",
+            "swanlab_run_name",
+            "swanlab_mode",
+            "swanlab_logdir",
+            "swanlab_lark_webhook_url",
+            "swanlab_lark_secret",
+            "trackio_space_id",
+            "trackio_bucket_id",
+            "trackio_static_space_id",
+        ),
+        TRACKING,
+    ),
+    "ray_init_kwargs": "the cluster's own nodes run the job (llama-job): Ray is not supported",
+}
+NOT_STAGED = "only the run's model is staged on the nodes: -e model=<name> or -e model_path=<dir>"
+OUTSIDE_RUN: dict[str, str] = {
+    "adapter_name_or_path": (
+        "a run trains the model asked for (-e model=<name>, -e model_path=<dir>); a run goes on "
+        "with -e resume=true -e run_id=<id>"
+    ),
+    "adapter_folder": NOT_STAGED,
+    "cache_dir": "the hub cache is the nodes' models directory, cluster_models_dir",
+    "logging_dir": "TensorBoard's event files go in the run's output: -e tensorboard=true",
+    "offload_folder": "ZeRO-Offload is -e deepspeed=zero2_offload or zero3_offload",
+    "profiler_output_dir": "the run's output is its one place to write",
+    "export_dir": "playbooks/export.yml writes a merged model",
+    "export_quantization_dataset": "playbooks/export.yml merges a run's adapter",
+    "media_dir": "a run reads its datasets from its run directory: -e dataset_file=<path>",
+    **dict.fromkeys(
+        (
+            "ref_model",
+            "ref_model_adapters",
+            "reward_model",
+            "reward_model_adapters",
+            "kt_weight_path",
+            "kt_expert_checkpoint_path",
+        ),
+        NOT_STAGED,
+    ),
+}
+TRAIN_ARGS_REFUSED = (
+    ("is set by the plan, which would replace it: leave it out", PLAN_OWNED),
+    ("would send the model, its data or a token off the cluster: refused", OFF_CLUSTER),
+    ("would read or write outside the run's directory: refused", OUTSIDE_RUN),
+)
+# report_to: the trackers the tracking settings support (filter/tracking.py: TRACKERS).
+TRACKERS = ("tensorboard", "wandb", "mlflow", "swanlab")
 
 # LLaMA-Factory training arguments (train_args) that are numbers or flags. Other known names
 # pass through to LLaMA-Factory, which validates their values itself when the run starts.
@@ -351,10 +442,14 @@ def check_project_settings(settings: Settings, model: Mapping[str, Any]) -> None
         (f"the `set` of profile rule {rule.get('name', '')!r} ({TRAINING_FILE})", rule["set"])
         for rule in settings.rules
     ]
-    problems = [bad for where, args in sources for bad in check_train_args(args, where)[1]]
+    problems = [
+        bad
+        for where, args in sources
+        for bad in check_train_args(args, where)[1] + _refused_problems(args, where, owned=False)
+    ]
     template = str(model.get("template") or "")
     if template:
-        problems += _template_problems(template, f"the template of the model ({CATALOGUE_FILE})")
+        problems += template_problems(template, f"the template of the model ({CATALOGUE_FILE})")
     if problems:
         raise PlanError(
             "The project's settings hold values LLaMA-Factory would refuse:\n- "
@@ -362,7 +457,7 @@ def check_project_settings(settings: Settings, model: Mapping[str, Any]) -> None
         )
 
 
-def _template_problems(template: str, where: str) -> list[str]:
+def template_problems(template: str, where: str) -> list[str]:
     """A problem when `template` is not one of LLaMA-Factory's chat templates."""
     names = llamafactory_names()
     if template in names["templates"]:
@@ -373,16 +468,30 @@ def _template_problems(template: str, where: str) -> list[str]:
     ]
 
 
-def _owned_problems(train_args: object) -> list[str]:
-    """A problem for each train_args key that the plan sets itself (PLAN_OWNED)."""
+def _refused_problems(
+    train_args: object, where: str = "train_args", *, owned: bool = True
+) -> list[str]:
+    """A problem for each train_args key refused by its category (TRAIN_ARGS_REFUSED: what the
+    plan owns, what leaves the cluster, what reaches outside the run's directory), naming the
+    supported way; and for a report_to beyond the supported trackers. `owned` False: the
+    project's own settings, whose profile rules may set what the plan owns (the stage)."""
     if not isinstance(train_args, Mapping):
         return []
-    return [
-        f"train_args.{key} is set by the plan, which would replace it: leave it out "
-        f"({PLAN_OWNED[key]})"
+    problems = [
+        f"{where}.{key} {why} ({ways[key]})"
         for key in train_args
-        if key in PLAN_OWNED
+        for why, ways in TRAIN_ARGS_REFUSED[0 if owned else 1 :]
+        if key in ways
     ]
+    report_to = train_args.get("report_to", "none")
+    names = report_to if isinstance(report_to, list) else str(report_to).split(",")
+    others = [str(n).strip() for n in names if str(n).strip() not in (*TRACKERS, "none", "")]
+    if others:
+        problems.append(
+            f"{where}.report_to {', '.join(others)} would send the run's figures to "
+            f"a tracker the project does not set up: refused ({TRACKING})"
+        )
+    return problems
 
 
 def check_request(
@@ -418,8 +527,8 @@ def check_request(
         )
     template = str(request.get("model_template") or "")
     if template:
-        problems += _template_problems(template, "model_template")
-    problems += _owned_problems(request.get("train_args", {}))
+        problems += template_problems(template, "model_template")
+    problems += _refused_problems(request.get("train_args", {}))
     out["train_args"], bad_args = check_train_args(request.get("train_args", {}))
     problems += bad_args
     for key, (spec, where, default) in RUN_SCHEMA.items():

@@ -54,6 +54,7 @@ def summary(
         f"({plan['decisions']['checkpointing']})",
         f"Packing: {'on' if plan['packing'] else 'off'}; torch.compile: "
         f"{'on' if plan['torch_compile'] else 'off'} ({plan['decisions']['torch_compile']})",
+        f"First optimizer step: {plan['decisions']['first_step']}",
     ]
     if "fp8" in plan["decisions"]:
         lines.append(plan["decisions"]["fp8"])

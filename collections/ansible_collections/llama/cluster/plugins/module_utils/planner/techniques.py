@@ -15,6 +15,10 @@ not forbidden it (`numerics: exact`).
 - `qlora`: the frozen weights in 4-bit NF4 (bitsandbytes, double quantization), LoRA on top:
   about 0.5 bytes a weight instead of 2. A change of numerics: chosen when asked
   (`-e quantization_bit=4`), or by the planner for a LoRA run whose bf16 weights fit no stage.
+- `compiled`: torch.compile (LLaMA-Factory's `torch_compile`), a twin of each technique it was
+  measured with (COMPILE_SAVING: the share of a step it saved, beside the same configuration
+  uncompiled in one device call); a candidate only with plain DDP, and only where the run is long
+  enough to repay its one-off compilation (decisions.choose_compile). Same numerics.
 
 Standard library only.
 """
@@ -22,7 +26,7 @@ Standard library only.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .errors import PlanError
@@ -44,10 +48,29 @@ class Technique:
     optim: str = "adamw_torch"  # adamw_8bit: bitsandbytes' 8-bit AdamW
     liger: bool = False
     quant: int = 0  # 4: QLoRA
+    compiled: bool = False  # torch.compile
 
     @property
     def plain(self) -> bool:
         return self == PLAIN
+
+    @property
+    def uncompiled(self) -> Technique:
+        """The same technique without torch.compile."""
+        return replace(self, compiled=False)
+
+    def compile_saving(self, finetuning: str) -> float | None:
+        """The share of a step torch.compile saved with this technique (COMPILE_SAVING), None
+        where it was not measured."""
+        kind = "full" if finetuning == "full" else "lora"
+        return COMPILE_SAVING.get((kind, self.optim, self.liger, self.quant))
+
+    def compile_failure(self, finetuning: str) -> str | None:
+        """Why torch.compile failed with this technique where it was measured to (COMPILE_FAILS),
+        None elsewhere."""
+        kind = "full" if finetuning == "full" else "lora"
+        failed = COMPILE_FAILS.get((kind, self.optim, self.liger, self.quant))
+        return f"{failed} (measured)" if failed else None
 
     def label(self) -> str:
         """'8-bit AdamW + Liger', '' for the plain run."""
@@ -58,6 +81,8 @@ class Technique:
             parts.append("8-bit AdamW")
         if self.liger:
             parts.append("Liger")
+        if self.compiled:
+            parts.append("torch.compile")
         return " + ".join(parts)
 
     def train_args(self) -> dict[str, object]:
@@ -67,6 +92,8 @@ class Technique:
             args["optim"] = self.optim
         if self.liger:
             args["enable_liger_kernel"] = True
+        if self.compiled:
+            args["torch_compile"] = True
         if self.quant:
             args.update(
                 {
@@ -110,6 +137,26 @@ MEASURED = {
 }
 # QLoRA, measured with plain DDP only.
 QUANTIZED = {("lora", "none"): (QLORA,)}
+# torch.compile's share of a step saved, by (fine-tuning kind, optimizer, Liger, QLoRA bits),
+# each against the same configuration uncompiled in the same device call, with plain DDP:
+# BENCHMARKS.md section 7 (1.5B full, packed, no checkpointing: 0.253 -> 0.200 s and 0.255 ->
+# 0.206 s), section 3.1 (7B LoRA: 0.704 -> 0.558 s) and section 12 (one H100 under a 24 GiB
+# cap: 1.5B full with 8-bit AdamW, checkpointing, 2 rows: 0.2455 -> 0.1921 s; 8B LoRA with Liger,
+# 4 rows: 0.970 -> 1.078 s, slower compiled: Liger's Triton kernels are not traced, and every
+# checkpointed layer breaks the graph). A technique not named here is never compiled by the
+# planner.
+COMPILE_SAVING: dict[tuple[str, str, bool, int], float] = {
+    ("full", "adamw_torch", False, 0): 0.19,
+    ("full", "adamw_8bit", False, 0): 0.22,
+    ("lora", "adamw_torch", False, 0): 0.21,
+    ("lora", "adamw_torch", True, 0): -0.11,
+}
+# Where compiling failed outright (section 12: a full fine-tune with Liger, whose fused linear
+# cross-entropy over the trainable lm_head fails Dynamo's tracing, TorchRuntimeError in addmm).
+COMPILE_FAILS = {
+    ("full", optim, True, 0): "Liger's fused cross-entropy fails torch.compile's tracing"
+    for optim in ("adamw_torch", "adamw_8bit")
+}
 
 # The figures the plan prints beside a numerics change (BENCHMARKS.md section 10).
 NUMERICS_EVIDENCE = {
@@ -129,12 +176,37 @@ def candidates(
     quantization: int = 0,
     available: frozenset[str] | set[str] = frozenset(OPTIONAL),
     fallback: bool = False,
+    compiling: bool = False,
 ) -> Iterator[Technique]:
     """The techniques the search tries with this fine-tuning type and stage.
 
     `quantization`: the QLoRA bits the user asked for (then only QLoRA); `available`: the
     optional packages every node has; `fallback`: QLoRA alone, for a LoRA run whose bf16 weights
-    fit the GPU with no stage (never under numerics exact)."""
+    fit the GPU with no stage (never under numerics exact); `compiling`: each technique's
+    compiled twin too, where it was measured (COMPILE_SAVING; plain DDP only), after every
+    uncompiled one (the search judges Liger by whether the uncompiled plain run recomputes)."""
+    uncompiled = list(
+        _uncompiled(
+            finetuning, stage, numerics=numerics, quantization=quantization, available=available,
+            fallback=fallback,
+        )
+    )  # fmt: skip
+    yield from uncompiled
+    if compiling and stage == "none":
+        twins = (replace(t, compiled=True) for t in uncompiled)
+        yield from (t for t in twins if t.compile_saving(finetuning) is not None)
+
+
+def _uncompiled(
+    finetuning: str,
+    stage: str,
+    *,
+    numerics: str,
+    quantization: int,
+    available: frozenset[str] | set[str],
+    fallback: bool,
+) -> Iterator[Technique]:
+    """candidates' techniques before their compiled twins."""
     kind = "full" if finetuning == "full" else "lora"
     if quantization:
         yield from QUANTIZED.get((kind, stage), ())
