@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
 import subprocess
 import tempfile
 import time
@@ -32,11 +31,10 @@ from pathlib import Path
 import pytest
 
 from tests.support.fault_timings import record_fault
+from tests.support.lab_nodes import RUNS, master_status, node
 from train_runner import DEFAULT_INVENTORY, Cluster
 
 ROOT = Path(__file__).resolve().parents[2]
-RUNS = "/opt/llama-cluster/runs"
-LLAMA_JOB = "/usr/local/sbin/llama-job"
 # 28 samples / (2 per device x 4 ranks): 4 steps an epoch; far more steps than the faults need
 # (the last fault ends the run), a checkpoint every 5 steps, the latest 4 kept.
 LONG_RUN = {"train_args": {"num_train_epochs": 400, "save_steps": 5, "save_total_limit": 4}}
@@ -50,16 +48,6 @@ FROZEN_S = STALL_FLOOR_S + 10 + 20  # the stall floor + job_stop_timeout + a loa
 
 pytestmark = pytest.mark.lab
 _run: dict[str, object] = {}
-
-
-def node(host: str, command: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["docker", "exec", host, "sh", "-c", command],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=timeout,
-    )
 
 
 def ranks_of(host: str) -> dict[int, dict[str, str]]:
@@ -106,7 +94,8 @@ def signal_rank_at_checkpoint(host: str, checkpoint: int, sig: str) -> tuple[flo
     """Send `sig` to `host`'s local rank 1 as soon as checkpoint-N is saved there (the wait and
     the signal are one shell on the node: no round trip between them); the moment, on this
     machine's monotonic clock (containers share its clock), and the process."""
-    saved = f"{RUNS}/{_run['run_id']}/output/checkpoint-{checkpoint}/trainer_state.json"
+    # The save counts once its marker is written (after every file was synced).
+    saved = f"{RUNS}/{_run['run_id']}/output/checkpoint-{checkpoint}/llama_job_saved.json"
     script = (
         f"i=0; until [ -f {saved} ]; do i=$((i + 1)); [ $i -gt 3000 ] && exit 3; sleep 0.1; done; "
         "for p in $(pgrep -f '[l]auncher[.]py'); do "
@@ -123,11 +112,6 @@ def next_checkpoint(master: str) -> int:
     """A checkpoint a few steps ahead of rank 0's last logged step."""
     step = (master_status(master, str(_run["run_id"])).get("progress") or {}).get("current_steps")
     return ((step or 0) // SAVE_STEPS + 2) * SAVE_STEPS
-
-
-def master_status(master: str, run_id: str) -> dict:
-    done = node(master, f"{LLAMA_JOB} status --job {shlex.quote(run_id)}")
-    return (json.loads(done.stdout or "{}").get("ranks") or [{}])[0]
 
 
 def wait_for(what: str, check: object, timeout: float = 600) -> object:

@@ -50,8 +50,26 @@ if os.environ.get("RANK_PID_FILE"):  # a rank as torch's elastic agent starts on
     with open(os.environ["RANK_PID_FILE"], "w") as out:
         out.write(str(rank.pid))
 chatter = int(os.environ.get("CHATTER", "0"))  # bytes of output per step (a chatty command)
+marks = os.environ.get("LLAMA_JOB_MARKS", "")
+def mark(name, record):  # what the job's trainer callback writes (llama_launcher.py)
+    with open(os.path.join(marks, "." + name), "w") as out:
+        json.dump(record, out)
+    os.replace(os.path.join(marks, "." + name), os.path.join(marks, name))
+save_at, save_s = int(os.environ.get("SAVE_AT", "-1")), float(os.environ.get("SAVE_S", "0"))
+eval_at = int(os.environ.get("EVAL_AT", "-1"))
+print("job", host, "NNODES", os.environ.get("NNODES", "-"), "NODE_RANK",
+      os.environ.get("NODE_RANK", "-"), "args", " ".join(sys.argv[3:]), flush=True)
 for step in range(1, steps + 1):
     time.sleep(pause)
+    if step == save_at:  # rank 0 saves a checkpoint: slowly, or it hangs there
+        mark("activity.json", {"what": "saving", "step": step, "checkpoint": f"checkpoint-{step}"})
+        time.sleep(3600 if os.environ.get("SAVE_HANG") else save_s)
+        mark("activity.json", {"what": "training", "step": step})
+    if step == eval_at:  # rank 0 evaluates for EVAL_S seconds, saying so every second
+        for batch in range(int(float(os.environ["EVAL_S"]))):
+            mark("activity.json", {"what": "evaluating", "step": step, "batches": batch})
+            time.sleep(1)
+        mark("activity.json", {"what": "training", "step": step})
     if chatter:
         print(f"step {step} " + "x" * chatter, flush=True)
     if step == oom_at and os.environ.get("OOM_CGROUP"):  # into a small memory cgroup, and fill it
@@ -73,6 +91,13 @@ for step in range(1, steps + 1):
     if progress:
         with open(progress, "a") as log:
             log.write(json.dumps({"current_steps": step, "total_steps": steps}) + "\n")
+if os.environ.get("MARK_RANKS"):  # every rank of the node reached the last step
+    for rank in os.environ["MARK_RANKS"].split(","):
+        mark(f"finished-rank{rank}.json",
+             {"rank": int(rank), "step": steps, "max_steps": steps, "checkpoint": None})
+time.sleep(float(os.environ.get("END_S", "0")))
+if os.environ.get("TEARDOWN_ABORT"):  # gloo's teardown, as once seen on the lab: SIGABRT
+    os.kill(os.getpid(), 6)
 print(host, "done")
 """
 
@@ -95,6 +120,7 @@ class Pair:
         steps: int = 30,
         give_up_at: int = 0,
         worker_env: dict[str, str] | None = None,
+        master_env: dict[str, str] | None = None,
         spec_extra: dict[str, dict] | None = None,
         **env: str,
     ) -> None:
@@ -109,6 +135,7 @@ class Pair:
             extra = {"STEPS": str(steps), "STEP_S": "0.2", **env}
             if master:
                 extra["GATE"] = str(self.gate)
+                extra.update(master_env or {})
             else:
                 extra.pop("STALL_AT", None)
                 if give_up_at:
@@ -215,3 +242,17 @@ class Pair:
                 proc.wait()
         for line in self.leftovers():
             os.kill(int(line.split()[0]), signal.SIGKILL)
+
+
+@pytest.fixture
+def pair_factory(tmp_path: Path):
+    """Pairs made by a test (Pair's arguments), closed after it."""
+    made: list[Pair] = []
+
+    def make(**kwargs: object) -> Pair:
+        made.append(Pair(tmp_path, **kwargs))
+        return made[-1]
+
+    yield make
+    for pair in made:
+        pair.close()

@@ -223,7 +223,8 @@ def _kill_training_process(
 
     The wait and the kill are one shell on the node, so no round trip from here lies between
     them. Containers share this machine's clock: the node's `date` at the kill is our time."""
-    saved = f"{RUNS}/{run_id}/output/checkpoint-{checkpoint}/trainer_state.json"
+    # The save counts once its marker is written (after every file was synced).
+    saved = f"{RUNS}/{run_id}/output/checkpoint-{checkpoint}/llama_job_saved.json"
     script = (
         f"i=0; until [ -f {saved} ]; do i=$((i + 1)); [ $i -gt 3000 ] && exit 3; sleep 0.1; done; "
         + (f"{first}; " if first else "")

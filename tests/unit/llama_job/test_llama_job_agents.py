@@ -28,34 +28,43 @@ def _failure(node: str, kind: protocol.FailureKind, at_s: float, *errors: str) -
     return protocol.Failure(node, kind, "it failed", at_s=at_s, errors=errors)
 
 
+def _arrived(*failures: protocol.Failure) -> list[master.Arrival]:
+    """The failures as they reached the master, one second apart, in this order."""
+    return [master.Arrival(float(at), failure) for at, failure in enumerate(failures)]
+
+
 def test_the_culprit_is_the_node_whose_failure_is_its_own():
     kinds = protocol.FailureKind
     echo = _failure("m", kinds.EXITED, 1.0, "Connection closed by peer")
     cause = _failure("w", kinds.EXITED, 2.0, "Signal 9 (SIGKILL) received")
-    assert master.choose_culprit([echo, cause]) == cause
+    assert master.choose_culprit(_arrived(echo, cause)) == cause
     gone = _failure("w", kinds.VANISHED, 3.0)
-    assert master.choose_culprit([echo, gone]) == gone
+    assert master.choose_culprit(_arrived(echo, gone)) == gone
     stop = _failure("m", kinds.STOPPED, 9.0)
-    assert master.choose_culprit([cause, stop]) == stop
+    assert master.choose_culprit(_arrived(cause, stop)) == stop
     assert master.choose_culprit([]) is None
+
+
+@pytest.mark.parametrize(
+    "late_clock", [-3600.0, float("nan"), float("inf")], ids=["an-hour-behind", "nan", "inf"]
+)
+def test_the_culprit_is_the_failure_that_reached_the_master_first_whatever_the_workers_clocks(
+    late_clock: float,
+):
+    # w1's rank died first and its word reached the master first; w2's came a second later,
+    # stamped by a clock an hour behind (or not a number). By the workers' clocks (Failure.at_s,
+    # what the master once ordered by) w2 came first; by the master's, w1 did.
+    kinds = protocol.FailureKind
+    first = _failure("w1", kinds.EXITED, 1000.0, "Signal 9 (SIGKILL) received")
+    second = _failure("w2", kinds.EXITED, 1000.0 + late_clock, "exit status 1")
+    arrivals = [master.Arrival(6.0, second), master.Arrival(5.0, first)]
+    assert master.choose_culprit(arrivals) == first
+    assert master.choose_culprit(list(reversed(arrivals))) == first
 
 
 # ---------------------------------------------------------------------------------------------
 # Agents
 # ---------------------------------------------------------------------------------------------
-@pytest.fixture
-def pair_factory(tmp_path: Path):
-    made: list[Pair] = []
-
-    def make(**kwargs: object) -> Pair:
-        made.append(Pair(tmp_path, **kwargs))
-        return made[-1]
-
-    yield make
-    for pair in made:
-        pair.close()
-
-
 def test_both_nodes_finish_and_say_so(pair_factory):
     pair = pair_factory(steps=10)
     pair.wait_ended(timeout=40)

@@ -197,6 +197,8 @@ def test_the_report_reads_the_last_attempt_of_the_log_and_the_plans_choices(tmp_
         "Checkpoints: checkpoint-8, checkpoint-9, checkpoint-10",
         f"Logs and loss plot: {tmp_path}/ (plot: none)",
         "Restarts: 1 of 2 (b failed)",
+        "Ran without: none",
+        "Warnings: none",
     ]
     assert job_run_report(V1["cpu"], None, str(tmp_path / "none"), "/r")["report"]["ranks"] == {}
 
@@ -267,3 +269,18 @@ def test_the_plan_shown_before_launch_lists_every_decision() -> None:
         "Datasets: demo_alpaca",
     ):
         assert expected in text, expected
+
+
+def test_the_report_names_the_nodes_a_run_went_on_without_and_its_warnings() -> None:
+    # -e min_nodes (issue 44): the last attempt ran without b, planned at launch for one node;
+    # a rank's abort in teardown after every rank finished is a warning, not a failure.
+    report = RunReport.from_dict(
+        {"run_id": "r", "left_out": ["b"], "warnings": ["node a: gloo aborted in teardown"]}
+    )
+    assert RunReport.from_dict(report.to_dict()) == report
+    lines = report.lines("a: rank 0", "a", adapter=False, failed=["b"], allowed=1,
+                         without="min_nodes, from attempt 2: accumulation 2 -> 4")  # fmt: skip
+    assert lines[-2:] == [
+        "Ran without: b (min_nodes, from attempt 2: accumulation 2 -> 4)",
+        "Warnings: node a: gloo aborted in teardown",
+    ]

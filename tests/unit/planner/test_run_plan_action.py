@@ -485,3 +485,20 @@ def test_a_minute_of_runs_in_the_way_is_refused_with_what_to_do(tmp_path: Path) 
         (tmp_path / f"train-20261204-1200{second:02d}-tiny").mkdir()
     with pytest.raises(action.Refused, match="start this run again in a minute"):
         action.claim_run_id(tmp_path, "20261204-120000", "tiny")
+
+
+def test_min_nodes_stays_with_the_request_when_the_run_is_planned_again(tmp_path: Path) -> None:
+    # train.yml plans a run, then again for what the nodes hold now (replan): the second plan
+    # once dropped -e min_nodes, so the run went on without its plan for fewer nodes.
+    playbook = tmp_path / "plan.yml"
+    first = {"llama.cluster.run_plan": {"model": "tiny", "min_nodes": 1}, "register": "asked"}
+    again = {"llama.cluster.run_plan": {"replan": "{{ asked }}"}, "register": "planned"}
+    show = {"ansible.builtin.debug": {"msg": "RESULT {{ planned | to_json }}"}}
+    playbook.write_text(
+        json.dumps([{"hosts": "localhost", "gather_facts": False, "tasks": [first, again, show]}])
+    )
+    rc, out = _playbook(tmp_path, playbook)
+    assert rc == 0, out[-3000:]
+    plan = _result(out)["plan"]
+    assert plan["min_nodes"] == 1
+    assert plan["fewer_nodes"]["1"]["args"][1].startswith("gradient_accumulation_steps=")

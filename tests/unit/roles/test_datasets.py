@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 from ansible_collections.llama.cluster.plugins.modules import llama_dataset_check as check
-from conftest import DATA
+
+from tests.conftest import DATA
 
 ROOT = Path(__file__).resolve().parents[3]
 TRAIN_PYTHON = Path(

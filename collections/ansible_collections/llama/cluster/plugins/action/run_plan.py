@@ -25,6 +25,7 @@ from ansible.module_utils.urls import ConnectionError as UrlConnectionError
 from ansible.module_utils.urls import open_url
 from ansible.parsing.plugin_docs import read_docstring
 from ansible.plugins.action import ActionBase
+from ansible_collections.llama.cluster.plugins.module_utils.fewer_nodes import plan_fewer_nodes
 from ansible_collections.llama.cluster.plugins.module_utils.inventory import (
     cluster_ranks,
     node_nproc,
@@ -297,25 +298,35 @@ class ActionModule(ActionBase):
         checked = (asked["replan"] or {}).get("checked")
         if not checked:
             checked = self._check(asked, settings, hostvars, groups)
-        request = checked["request"]
         ranks = cluster_ranks(groups, hostvars)
         nprocs = {host: node_nproc(hostvars[host]) for host in ranks}
+        nodes = describe_nodes(ranks, hostvars, nprocs, usage_by_host(asked["node_usage"]))
+        request = Request.of(checked["request"])
         plan = assemble(
-            Request.of(request),
+            request,
             model=checked["model"],
-            nodes=describe_nodes(ranks, hostvars, nprocs, usage_by_host(asked["node_usage"])),
+            nodes=nodes,
             ranks=ranks,
             datasets=checked["datasets"],
             settings=settings,
         )
         plan = replace(plan, model_stage=checked["staging"])
+        plan = plan_fewer_nodes(
+            plan,
+            request,
+            model=checked["model"],
+            nodes=nodes,
+            datasets=checked["datasets"],
+            settings=settings,
+            min_nodes=checked.get("min_nodes", 0),
+        )
         if self._task.check_mode:
             # Nothing is claimed: the id is what a run started now would be called.
             plan = self._renamed(plan, "Plan only (--check, no run started)", plan.run_id)
         elif checked.get("run_id"):
             plan = self._renamed(plan, f"Run {checked['run_id']}", checked["run_id"])
         elif asked["claim_run_id"]:
-            run_id = self._claim(request)
+            run_id = self._claim(checked["request"])
             plan = self._renamed(plan, f"Run {run_id}", run_id)
         return plan, checked["notes"] + list(plan.summary), {**checked, "run_id": plan.run_id}
 
@@ -350,6 +361,8 @@ class ActionModule(ActionBase):
             "staging": staging,
             "notes": notes,
             "run_id": "",
+            # Kept with the request: planning again for what is free (replan) plans it again.
+            "min_nodes": int(asked["min_nodes"] or 0),
         }
 
     def _claim(self, request: Mapping[str, Any]) -> str:

@@ -340,6 +340,8 @@ def job_run_report(
         ranks={host: node.ranks for host, node in status.nodes.items()},
         output_dir=f"{run_dir}/output",
         checkpoints=tuple(sorted(checkpoints, key=_checkpoint_step)),
+        warnings=status.warnings,
+        left_out=status.left_out,
         **brought_back(controller_dir),
     )
     failed = [restart.after.node if restart.after else "?" for restart in status.restarts]
@@ -349,6 +351,9 @@ def job_run_report(
         adapter=planned.model.get("finetuning_type") == "lora",
         failed=failed,
         allowed=status.max_restarts,
+        without=f"min_nodes, from attempt {status.attempt}: {status.restarts[-1].note}"
+        if status.restarts
+        else "",
     )
     return {"report": report.to_dict(), "lines": lines}
 

@@ -102,4 +102,6 @@ def job_status(results: Mapping[str, object], master: str, job: str = "") -> Job
         trainer_log=_mapping(lead_result.get("trainer_log"))
         if isinstance(lead_result, Mapping)
         else {},
+        warnings=lead.warnings if lead is not None else (),
+        left_out=lead.left_out if lead is not None else (),
     )

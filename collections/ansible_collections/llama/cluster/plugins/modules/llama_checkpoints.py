@@ -13,10 +13,14 @@ description:
   - Lists the checkpoint-N directories of O(directory) (the newest 40; a link is not one) the
     way the master's llama-job agent does before it continues a run, so that train.yml's
     resume check and a failed run's report pick the checkpoint it will pick.
-  - A checkpoint is complete when its trainer_state.json (written last) parses, every weight
-    index (C(*.index.json)) parses and every shard it names is there, every safetensors file
-    holds the bytes its header says, and DeepSpeed's C(latest) names a state that is there.
-    An incomplete one is listed with why (C(problem)), without its trainer_state.json.
+  - A checkpoint is complete (whole) when its trainer_state.json parses, every weight index
+    (C(*.index.json)) parses and every shard it names is there, every safetensors file holds the
+    bytes its header says, every torch file (C(*.pt), C(*.pth), C(*.bin)) ends with its zip
+    archive's end record, DeepSpeed's C(latest) names a state holding every rank's shards, and,
+    where the run declares markers (C(llama_job_markers.json) in O(directory), written by the
+    job's trainer callback), its C(llama_job_saved.json) lists every file with its size
+    (llama_job/whole.py). One that is not is listed with why (C(problem)), without its
+    trainer_state.json.
   - Read-only, in check mode too; nothing is read through a link.
 options:
   directory:

@@ -199,6 +199,15 @@ options:
         the resumed run's).
     type: raw
     default: 0
+  min_nodes:
+    description:
+      - The fewest nodes the run may continue on when others stay away past the restart window
+        (C(-e min_nodes=N); 0, the default, is every node). The run is planned again for every
+        count from N up to the cluster's less one (the plan's C(fewer_nodes), the same effective
+        batch through accumulation, memory checked again); a count whose plan does not fit, or a
+        plan whose checkpoints are sharded, is refused.
+    type: int
+    default: 0
   replan:
     description:
       - This action's result for the same request (registered by an earlier call), to plan it

@@ -10,23 +10,43 @@ import pwd
 import queue
 import signal
 import stat
+import subprocess
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .checkpoints import NAME, checkpoint_problem, resume_argument, set_aside, set_aside_dir
+from .checkpoints import NAME, resume_argument, rotate, set_aside, set_aside_dir
 from .command import Command, Ended
 from .launchers import current_limits
 from .logs import read_env_file, rotate_log
 from .oom import describe_cause
 from .procs import become_subreaper
 from .protocol import Failure, FailureKind, Phase, Restart, describe_exit, iso
+from .saves import clear_marks, finished, marks_dir
 from .spec import JobSpec, Refused
 from .untrusted import read_untrusted, write_json
+from .whole import checkpoint_problem, markers_declared
 from .wire import VERSION
 
 LOG_LOOK_S = 5.0  # seconds between two looks at the node log's size
+ROTATE_S = 5.0  # seconds between two looks at the checkpoints a rotation may delete
+
+
+def node_going_down() -> bool:
+    """Whether this node is shutting down or rebooting (systemd says 'stopping'): a SIGTERM then
+    is the node's end, not a request to stop the job (llama-job stop, systemctl stop)."""
+    try:
+        done = subprocess.run(
+            ["systemctl", "is-system-running"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.stdout.strip() == "stopping"
 
 
 def _mapping(value: object) -> Mapping[str, Any]:
@@ -58,6 +78,7 @@ class NodeAgent:
         self.host = spec.host
         self.events: queue.Queue = queue.Queue()
         self.log = open_log(spec.log)
+        self.marks = marks_dir(spec.state, spec.host)
         self.command = Command(spec, self.environment(), self.log, self.say)
         self.attempt = 1
         self.phase = Phase.STARTING
@@ -71,6 +92,14 @@ class NodeAgent:
         self.last_state_write = 0.0
         self.resume_from: str | None = None  # the checkpoint this attempt resumes from
         self.log_looked = 0.0  # when the log's size was last looked at
+        self.rotated = 0.0  # when the checkpoints were last looked at for rotation
+        self.warnings: list[str] = []  # what did not fail the run but is worth saying
+        # The nodes of this attempt, in node rank order (a run continued on fewer nodes:
+        # min_nodes), those it runs without, and what this node's command is given for it.
+        self.nodes: list[str] = []
+        self.left_out: list[str] = []
+        self.fewer_args: list[str] = []
+        self.down = False  # the node shuts down: the agent leaves without an outcome
 
     # -- plumbing -------------------------------------------------------------------------------
     def say(self, text: str) -> None:
@@ -90,7 +119,7 @@ class NodeAgent:
             secret = read_untrusted(self.spec.secret_env_file, (os.getuid(),)) or ""
             env.update(read_env_file(secret))
         env.update(read_env_file(text))
-        env.update(LLAMA_JOB_ID=self.spec.job, LLAMA_JOB_HOST=self.host)
+        env.update(LLAMA_JOB_ID=self.spec.job, LLAMA_JOB_HOST=self.host, LLAMA_JOB_MARKS=self.marks)
         return env
 
     def peers_state(self, now: float) -> dict[str, Any]:
@@ -124,6 +153,8 @@ class NodeAgent:
             "started": iso(self.started_s),
             "updated": iso(time.time()),
             "ended": iso(time.time()) if self.phase.is_terminal() else None,
+            "warnings": self.warnings,
+            "left_out": self.left_out,
         }
         with contextlib.suppress(OSError):
             write_json(Path(self.spec.state), state)
@@ -145,6 +176,30 @@ class NodeAgent:
                 )
         except OSError as err:
             self.say(f"cannot rotate this log: {err}")
+
+    def rotate_checkpoints(self, now: float) -> None:
+        """Delete the checkpoints the run's save_total_limit no longer keeps, once the newer
+        ones are whole (checkpoints.rotation; looked at every few seconds)."""
+        if not self.spec.checkpoints_dir or now - self.rotated < ROTATE_S:
+            return
+        self.rotated = now
+        deleted = rotate(self.spec.checkpoints_dir, len(self.nodes) or self.spec.nnodes)
+        if deleted:
+            self.say(f"deleted {', '.join(deleted)} (save_total_limit: newer ones are whole)")
+
+    def current_ranks(self) -> list[int]:
+        """The global ranks of this node's processes in this attempt (renumbered where the
+        run goes on without a node ranked before this one)."""
+        ranks = list(self.spec.ranks)
+        if not self.nodes or self.host not in self.nodes:
+            return ranks
+        first = self.nodes.index(self.host) * len(ranks)
+        return list(range(first, first + len(ranks)))
+
+    def finished_here(self) -> str:
+        """'' unless every rank of this node reached the last step and the checkpoint it
+        saved last is whole (saves.finished): then what says so."""
+        return finished(self.marks, self.current_ranks(), self.spec.checkpoints_dir)
 
     def set_phase(self, phase: Phase) -> None:
         """Move to a phase and record it."""
@@ -196,7 +251,12 @@ class NodeAgent:
         """Before an attempt that continues from a checkpoint (the master's plan: checkpoints.
         continue_plan): move this node's checkpoints newer than the common one aside (into
         <run dir>/set-aside/<the plan's stamp>/, never deleting one) and note the checkpoint
-        the command is given."""
+        the command is given, and the nodes of the attempt with what this one's command is
+        given for their number (min_nodes)."""
+        nodes = plan.get("nodes")
+        self.nodes = [str(n) for n in nodes] if isinstance(nodes, list) else []
+        args = plan.get("args")
+        self.fewer_args = [str(a) for a in args] if isinstance(args, list) else []
         directory = self.spec.checkpoints_dir
         if not directory:
             return
@@ -204,25 +264,48 @@ class NodeAgent:
         self.resume_from = checkpoint if isinstance(checkpoint, str) else None
         target = set_aside_dir(directory, plan.get("stamp"))
         names = _mapping(plan.get("set_aside")).get(self.host) or []
+        marker = markers_declared(directory) is not None
         why = {
-            str(n): checkpoint_problem(os.path.join(directory, str(n))) or "not on every node"
+            str(n): checkpoint_problem(os.path.join(directory, str(n)), marker)
+            or "not on every node"
             for n in names
             if NAME.match(str(n))
         }
-        moved = set_aside(directory, list(why), target) if target else []
-        if moved:
-            said = ", ".join(f"{name} ({why[name]})" for name in moved)
-            self.say(f"set aside {said} in {target}")
+        moved = set_aside(directory, list(why), target) if target else {}
+        for folder in dict.fromkeys(moved.values()):
+            said = ", ".join(f"{name} ({why[name]})" for name, to in moved.items() if to == folder)
+            self.say(f"set aside {said} in {folder}")
         self.say(f"attempt {self.attempt} resumes from {self.resume_from or 'the beginning'}")
 
     def start_command(self) -> Ended | None:
-        """Start this attempt's command, passing the checkpoint it resumes from."""
+        """Start this attempt's command, passing the checkpoint it resumes from, and on fewer
+        nodes than the run started with, their number, this node's rank among them and what
+        the plan for that many gives the command (NNODES, NODE_RANK: LLaMA-Factory's torchrun)."""
         extra = resume_argument(
             self.spec.resume_argument, self.spec.checkpoints_dir, self.resume_from
         )
-        return self.command.start(self.attempt, extra)
+        env = {}
+        if self.nodes and len(self.nodes) < self.spec.nnodes and self.host in self.nodes:
+            env = {"NNODES": str(len(self.nodes)), "NODE_RANK": str(self.nodes.index(self.host))}
+        try:
+            clear_marks(self.marks)
+        except OSError as err:
+            self.say(f"cannot empty {self.marks}: {err}")
+        return self.command.start(self.attempt, extra + self.fewer_args, env)
 
     # -- the run loop -----------------------------------------------------------------------
+    def go_down(self) -> bool:
+        """On a stop signal: where the node itself is shutting down, end this node's command
+        and leave the job as it stands (no outcome recorded, no word to the peers but the
+        closed connection), so that its part rejoins when the node boots (llama-job rejoin)
+        or the run ends naming it. Whether it did."""
+        if not node_going_down():
+            return False
+        self.down = True
+        self.say("this node is shutting down: its command ends; its part rejoins when it boots")
+        self.command.end_now("the node is shutting down")
+        return True
+
     def on_signal(self, signum: int, _frame: object) -> None:
         """SIGTERM/SIGINT: a stop was requested (llama-job stop, systemctl stop)."""
         self.events.put(("stop", None, {"signal": signum}))
@@ -286,7 +369,7 @@ class NodeAgent:
         try:
             if not self.begin():
                 return 1
-            while not self.phase.is_terminal():
+            while not self.phase.is_terminal() and not self.down:
                 self.drain_events(0.2)
                 ended = self.command.poll()
                 if ended is not None:
@@ -294,7 +377,9 @@ class NodeAgent:
                 self.tick(time.monotonic())
                 self.write_state(force=False)
                 self.rotate_log(time.monotonic())
-            self.finish()
+                self.rotate_checkpoints(time.monotonic())
+            if not self.down:
+                self.finish()
             return 0 if self.phase is Phase.SUCCEEDED else 1
         finally:
             self.command.signal_tree(signal.SIGKILL)

@@ -6,15 +6,16 @@ aside (never deleting one) and continues from that step, passed to its command e
 
 from __future__ import annotations
 
-import json
+import errno
 import os
 import re
+import shutil
 import stat
-import struct
 import time
 from typing import Any
 
 from .resume import resume_point
+from .whole import checkpoint_problem, markers_declared, open_folder, read_json
 
 NAME = re.compile(r"^checkpoint-(\d+)$")
 # Where a continuation sets checkpoints aside, under <run dir>/set-aside/: restart-<attempt>, or
@@ -23,163 +24,84 @@ STAMP = re.compile(r"^(restart-\d{1,6}|resume-\d{8}-\d{6})$")
 MAX_LISTED = 40  # the newest checkpoints a node reports (a message is at most 64 KiB)
 
 
-# What a checkpoint's own files are read to (never past these bounds, never through a link).
-MAX_JSON = 64 << 20  # trainer_state.json and a weight index (their log history can be long)
-MAX_HEADER = 16 << 20  # a safetensors file's JSON header
-MAX_PROBLEM = 160  # characters of a problem sent to the master (a message is at most 64 KiB)
-_verdicts: dict[tuple[Any, ...], str] = {}  # a checkpoint's verdict by its files' identity
-UNREAD = object()  # a JSON file too long to read here: taken as written
-
-
-def _open_file(folder: int, name: str) -> int | None:
-    """A regular file of the checkpoint, opened without following a link (None otherwise)."""
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=folder)
-    except OSError:
-        return None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        return None
-    return fd
-
-
-def _read_json(folder: int, name: str) -> tuple[bool, object]:
-    """(present, the JSON value or None where it does not parse)."""
-    fd = _open_file(folder, name)
-    if fd is None:
-        return False, None
-    with os.fdopen(fd, "rb") as handle:
-        if os.fstat(handle.fileno()).st_size > MAX_JSON:
-            return True, UNREAD
-        try:
-            return True, json.loads(handle.read(MAX_JSON))
-        except (ValueError, RecursionError):
-            return True, None
-
-
-def _safetensors_problem(folder: int, name: str) -> str:
-    """'' unless a safetensors file is shorter than its own header says it is (cut off)."""
-    fd = _open_file(folder, name)
-    if fd is None:
-        return f"{name} is not a regular file"
-    with os.fdopen(fd, "rb") as handle:
-        size = os.fstat(handle.fileno()).st_size
-        head = handle.read(8)
-        if len(head) < 8:
-            return f"{name} holds {size} bytes, not even its header (cut off)"
-        (length,) = struct.unpack("<Q", head)
-        if length > MAX_HEADER:
-            return ""  # a header this long is not read here
-        try:
-            header = json.loads(handle.read(length))
-            ends = [
-                int(entry["data_offsets"][1])
-                for key, entry in header.items()
-                if key != "__metadata__"
-            ]
-        except (ValueError, RecursionError, TypeError, KeyError, IndexError, AttributeError):
-            return f"{name}'s header does not parse (cut off)"
-    expected = 8 + length + max(ends, default=0)
-    if size < expected:
-        return f"{name} holds {size:,} of its {expected:,} bytes (cut off)"
-    return ""
-
-
-def _index_problem(folder: int, name: str, names: set[str]) -> str:
-    """'' unless a weight index does not parse or names a shard that is not there."""
-    _, index = _read_json(folder, name)
-    if index is UNREAD:
-        return ""
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict):
-        return f"{name} does not parse (cut off)"
-    missing = sorted({str(shard) for shard in weight_map.values()} - names)
-    if missing:
-        return f"{name} names {missing[0]}, which is missing" + (
-            f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        )
-    return ""
-
-
-def _problem(folder: int) -> str:
-    """What makes a checkpoint incomplete ('' when its files parse and match their index)."""
-    names = set(os.listdir(folder))
-    present, state = _read_json(folder, "trainer_state.json")
-    if not present:
-        return "no trainer_state.json (cut off while being written)"
-    if not isinstance(state, dict) and state is not UNREAD:
-        return "trainer_state.json is empty or does not parse (a save cut off, e.g. by a full disk)"
-    for name in sorted(names):
-        if name.endswith(".index.json"):
-            problem = _index_problem(folder, name, names)
-        elif name.endswith(".safetensors"):
-            problem = _safetensors_problem(folder, name)
-        else:
-            continue
-        if problem:
-            return problem
-    if "latest" in names:  # DeepSpeed's: the tag (global_stepN) of its per-rank state
-        fd = _open_file(folder, "latest")
-        tag = os.read(fd, 256).decode("utf-8", "replace").strip() if fd is not None else ""
-        if fd is not None:
-            os.close(fd)
-        if not tag or tag not in names:
-            return f"latest names {tag or 'nothing'}, which is missing (DeepSpeed's state)"
-    return ""
-
-
-def checkpoint_problem(path: str) -> str:
-    """Why checkpoint-N at `path` is not complete, or '' when it is: its trainer_state.json
-    (written last) parses, every weight index parses and every shard it names is there, every
-    safetensors file holds the bytes its header says, and DeepSpeed's `latest` names a state
-    that is there. Nothing is read through a link. A verdict is kept while the directory and
-    its trainer_state.json stay as they are (a worker lists its checkpoints with every heartbeat
-    while it is idle; the Trainer writes trainer_state.json last, and nothing rewrites a saved
-    checkpoint)."""
-    try:
-        folder = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except OSError:
-        return "not a directory"
-    try:
-        itself = os.fstat(folder)
-        key: tuple[Any, ...] = (path, itself.st_ino, itself.st_mtime_ns)
-        try:
-            state = os.stat("trainer_state.json", dir_fd=folder, follow_symlinks=False)
-            key += (state.st_ino, state.st_mtime_ns, state.st_size)
-        except OSError:
-            key += (None,)
-        if key not in _verdicts:
-            if len(_verdicts) > 4 * MAX_LISTED:
-                _verdicts.clear()
-            _verdicts[key] = _problem(folder)[:MAX_PROBLEM]
-        return _verdicts[key]
-    finally:
-        os.close(folder)
-
-
-def listing(directory: str) -> list[dict[str, Any]]:
-    """A node's checkpoints for resume_point (the newest MAX_LISTED): each checkpoint-N
-    directory (not a link) and, where it is complete (checkpoint_problem), its
-    trainer_state.json; an incomplete one says why (`problem`)."""
+def _steps(directory: str) -> list[tuple[int, str]]:
+    """The checkpoint-N directories (not links) of `directory`, oldest first."""
     try:
         names = os.listdir(directory) if directory else []
     except OSError:
         return []
-    steps = sorted(
+    return sorted(
         (int(found.group(1)), name)
         for name in names
         if (found := NAME.match(name)) and _is_directory(os.path.join(directory, name))
     )
+
+
+def listing(directory: str) -> list[dict[str, Any]]:
+    """A node's checkpoints for resume_point (the newest MAX_LISTED): each checkpoint-N
+    directory (not a link) and, where it is whole (whole.py: checkpoint_problem, with a marker
+    required where the run declares markers), its trainer_state.json; one that does not count
+    says why (`problem`)."""
+    marker = markers_declared(directory) is not None
     entries: list[dict[str, Any]] = []
-    for _step, name in steps[-MAX_LISTED:]:
+    for _step, name in _steps(directory)[-MAX_LISTED:]:
         path = os.path.join(directory, name)
-        problem = checkpoint_problem(path)
+        problem = checkpoint_problem(path, marker)
         if problem:
             entries.append({"path": path, "isdir": True, "problem": problem})
         else:
             entries.append({"path": path, "isdir": True})
             entries.append({"path": os.path.join(path, "trainer_state.json"), "isdir": False})
     return entries
+
+
+def _best(directory: str, newest: str) -> str:
+    """The best checkpoint's name, as the newest whole checkpoint's trainer_state.json says
+    (load_best_model_at end), or ''."""
+    folder = open_folder(None, os.path.join(directory, newest))
+    if folder is None:
+        return ""
+    try:
+        _, state = read_json(folder, "trainer_state.json")
+    finally:
+        os.close(folder)
+    best = state.get("best_model_checkpoint") if isinstance(state, dict) else None
+    return os.path.basename(str(best).rstrip("/")) if best else ""
+
+
+def rotation(directory: str, nodes: int) -> list[str]:
+    """The checkpoints a rotation deletes now: those older than the newest `save_total_limit`
+    whole checkpoints (the run's declaration, MARKERS; at least 2 on several nodes, so that a
+    node stopped during a save still shares one with the others), the best one kept; nothing
+    while fewer whole ones than that exist. So the last whole checkpoint is never deleted, and
+    an older one only once the newer ones count (the Trainer's own rotation deleted the older
+    ones as soon as its save returned, whole or not)."""
+    limit = (markers_declared(directory) or {}).get("save_total_limit")
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        return []
+    keep = max(limit, 2) if nodes > 1 else limit
+    steps = _steps(directory)
+    whole = [(s, n) for s, n in steps if not checkpoint_problem(os.path.join(directory, n), True)]
+    if len(whole) < keep:
+        return []
+    oldest_kept = whole[-keep][0]
+    best = _best(directory, whole[-1][1])
+    return [n for s, n in steps if s < oldest_kept and n != best]
+
+
+def rotate(directory: str, nodes: int) -> list[str]:
+    """Delete what `rotation` names (never through a link); the names deleted."""
+    deleted = []
+    for name in rotation(directory, nodes):
+        path = os.path.join(directory, name)
+        if not _is_directory(path):
+            continue
+        try:
+            shutil.rmtree(path)
+        except OSError:
+            continue
+        deleted.append(name)
+    return deleted
 
 
 def _is_directory(path: str) -> bool:
@@ -251,21 +173,31 @@ def set_aside_dir(directory: str, stamp: object) -> str | None:
     return os.path.join(os.path.dirname(directory.rstrip("/")), "set-aside", stamp)
 
 
-def set_aside(directory: str, names: list[str], target: str) -> list[str]:
-    """Move this node's checkpoints `names` out of `directory` into `target` (what was moved)."""
-    moved = []
+def set_aside(directory: str, names: list[str], target: str) -> dict[str, str]:
+    """Move this node's checkpoints `names` out of `directory` into `target`; where the
+    checkpoints' directory is a filesystem of its own (a rename cannot leave it), into
+    <directory>/set-aside/<the same stamp> instead, beside them (a continuation never reads
+    below `directory`'s own checkpoint-N). What was moved, each to where."""
+    moved = {}
     for name in names:
         source = os.path.join(directory, name)
-        if not NAME.match(name) or not os.path.isdir(source):
+        if not NAME.match(name) or not _is_directory(source):
             continue  # only checkpoint-N directories of this node's output are ever moved
-        os.makedirs(target, mode=0o750, exist_ok=True)
-        destination = os.path.join(target, name)
-        suffix = 1
-        while os.path.exists(destination):
-            destination = os.path.join(target, f"{name}.{suffix}")
-            suffix += 1
-        os.rename(source, destination)
-        moved.append(name)
+        for folder in (target, os.path.join(directory, "set-aside", os.path.basename(target))):
+            os.makedirs(folder, mode=0o750, exist_ok=True)
+            destination = os.path.join(folder, name)
+            suffix = 1
+            while os.path.lexists(destination):
+                destination = os.path.join(folder, f"{name}.{suffix}")
+                suffix += 1
+            try:
+                os.rename(source, destination)
+            except OSError as err:
+                if err.errno != errno.EXDEV:
+                    raise
+                continue
+            moved[name] = folder
+            break
     return moved
 
 

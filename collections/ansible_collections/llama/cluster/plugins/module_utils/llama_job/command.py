@@ -23,6 +23,7 @@ from typing import Any, BinaryIO
 from .logs import expand, failed_rank, first_error_lines, reported_exit_status
 from .oom import (
     cuda_oom,
+    disk_full,
     host_oom_cause,
     memory_figures,
     oom_counters,
@@ -76,13 +77,17 @@ class Command:
         self.oom_before: dict[str, int | None] = {}
 
     # -- start and end ------------------------------------------------------------------------
-    def start(self, attempt: int, extra: list[str] | None = None) -> Ended | None:
-        """Start the command (with `extra` arguments); an Ended when it cannot be started."""
+    def start(
+        self, attempt: int, extra: list[str] | None = None, env: dict[str, str] | None = None
+    ) -> Ended | None:
+        """Start the command (with `extra` arguments, and `env` over the job's environment);
+        an Ended when it cannot be started."""
         self.attempt = attempt
         self.kill_leftovers(within=1.0)  # an earlier attempt's process never meets this one
         self.offset = file_size(self.spec.log)
         self.scan_offset, self.scan_rest, self.scan_failed = self.offset, "", False
-        argv = [expand(arg, self.env) for arg in self.spec.command] + list(extra or [])
+        environment = {**self.env, **(env or {})}
+        argv = [expand(arg, environment) for arg in self.spec.command] + list(extra or [])
         self.say(f"attempt {attempt}: starting {' '.join(shlex.quote(a) for a in argv)}")
         self.aborted, self.kill_deadline, self.exit_status = False, None, None
         self.oom_before = oom_counters(self.cgroup)
@@ -96,7 +101,7 @@ class Command:
             self.child = subprocess.Popen(
                 argv,
                 cwd=self.spec.cwd,
-                env=self.env,
+                env=environment,
                 stdin=subprocess.DEVNULL,
                 stdout=self.log,
                 stderr=self.log,
@@ -231,7 +236,8 @@ class Command:
         )  # fmt: skip
 
     def failure_cause(self, code: int | None) -> dict[str, Any] | None:
-        """What this attempt ran out of, if memory: host memory (the OOM killer) or a GPU's.
+        """What this attempt ran out of: host memory (the OOM killer), the checkpoints' disk,
+        or a GPU's memory.
 
         `code` is the command's own exit status, None while it still runs. An OOM kill is looked
         for only when a process died by SIGKILL: the command itself, or one its launcher names.
@@ -254,4 +260,4 @@ class Command:
                 # the ranks run in this process's cgroup: its limit, or a parent's, is theirs
                 memory = memory_figures(self.cgroup, read_text(Path("/proc/self/cgroup")))
                 return host_oom_cause(evidence, failures, memory)
-        return cuda_oom(text, failures)
+        return disk_full(text, self.spec.checkpoints_dir) or cuda_oom(text, failures)

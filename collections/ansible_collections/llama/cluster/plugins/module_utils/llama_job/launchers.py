@@ -128,6 +128,9 @@ class SystemdUnit(Launcher):
             "--property=KillMode=mixed",
             f"--property=TimeoutStopSec={int(spec.timeouts.stop) + 10}",
             "--property=CollectMode=inactive-or-failed",
+            # Stopped before D-Bus as the node shuts down: the agent asks systemd whether the
+            # node is stopping (agent.node_going_down), so that a reboot is no stop request.
+            "--property=After=dbus.service",
             *(f"--property={LIMITS[k][1]}={v}" for k, v in spec.limits.items() if k in LIMITS),
             "--setenv=PYTHONUNBUFFERED=1",
             "--setenv=LLAMA_JOB_SUPERVISOR=systemd",

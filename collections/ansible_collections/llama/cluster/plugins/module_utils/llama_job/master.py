@@ -10,7 +10,7 @@ import errno
 import os
 import socket
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .agent import NodeAgent
@@ -20,24 +20,36 @@ from .link import Hub, Link
 from .logs import is_peer_symptom, last_record, stall_limit
 from .procs import listening_inodes, socket_owners
 from .protocol import Failure, FailureKind, Phase, Restart, describe_exit, iso
+from .saves import activity, activity_stamp, measure_write_speed, save_allowance
 from .untrusted import file_size
 from .wire import Kind
 
 REFUSALS_EVERY = 10.0  # seconds between the log's lines on refused connections
 
 
-def choose_culprit(candidates: list[Failure]) -> Failure | None:
+@dataclass(frozen=True)
+class Arrival:
+    """A failure as it reached the master: `at` is the master's monotonic clock when it did
+    (a worker's own clock, Failure.at_s, may be skewed, or not a number)."""
+
+    at: float
+    failure: Failure
+
+
+def choose_culprit(arrivals: list[Arrival]) -> Failure | None:
     """The failure that explains the others.
 
     A request to stop wins; then a node whose failure is its own (not a lost connection to a
-    peer), earliest first; then a node that vanished or stalled; then the earliest of the rest.
+    peer); then a node that vanished or stalled; then the rest: within each, the one that
+    reached the master first, by the master's clock.
     """
-    if not candidates:
+    if not arrivals:
         return None
     own = (FailureKind.EXITED, FailureKind.START)
     gone = (FailureKind.VANISHED, FailureKind.STALLED, FailureKind.LOST)
 
-    def key(item: Failure) -> tuple[int, float]:
+    def key(arrival: Arrival) -> tuple[int, float]:
+        item = arrival.failure
         if item.kind is FailureKind.STOPPED:
             rank = 0
         elif item.kind in own and not is_peer_symptom(list(item.errors)):
@@ -46,9 +58,9 @@ def choose_culprit(candidates: list[Failure]) -> Failure | None:
             rank = 2
         else:
             rank = 3
-        return rank, float(item.at_s or 0)
+        return rank, arrival.at
 
-    return sorted(candidates, key=key)[0]
+    return sorted(arrivals, key=key)[0].failure
 
 
 @dataclass
@@ -62,6 +74,7 @@ class Peer:
     reported: int = 0
     stopped_procs: bool = False
     checkpoints: list[dict[str, Any]] | None = None  # listed since its command ended
+    rank: int = 0  # its node rank, as it said when it joined
 
     @property
     def joined(self) -> bool:
@@ -77,6 +90,8 @@ class Progress:
     seen_at: float = 0.0
     seen_any: bool = False
     intervals: list[float] | None = None
+    activity: tuple[int, int] | None = None  # rank 0's activity file as last seen (saves.py)
+    doing: dict[str, Any] = field(default_factory=dict)  # ... and what it said
 
 
 class MasterAgent(NodeAgent):
@@ -87,7 +102,11 @@ class MasterAgent(NodeAgent):
         self.peers = {host: Peer() for host in spec.peers}
         self.server: socket.socket | None = None
         self.hub: Hub | None = None
-        self.candidates: list[Failure] = []
+        self.candidates: list[Arrival] = []
+        # Failures in teardown after every rank of a node finished: warnings, unless the run
+        # fails after all (then they are among the candidates).
+        self.teardown: list[Arrival] = []
+        self.save_s = 0.0  # what a save may take beyond the stall limit (saves.py)
         self.abort_started: float | None = None
         self.local_done_at: float | None = None
         self.gate_open = False
@@ -115,6 +134,7 @@ class MasterAgent(NodeAgent):
                 return False
             self.hub = Hub(self.server, self.spec.key, self.spec.job, self.host, self.spec.peers)
             self.hub.start(self.events)
+        self.plan_saves()
         if self.spec.resume:
             self.gathering = True
             self.say("a resumed run: waiting for every node's checkpoints")
@@ -122,6 +142,20 @@ class MasterAgent(NodeAgent):
         else:
             self.begin_attempt()
         return True
+
+    def plan_saves(self) -> None:
+        """What a save may take beyond the stall limit: the planned checkpoint over the speed
+        of this node's disk, measured here once (saves.py)."""
+        planned, directory = self.spec.checkpoint_bytes, self.spec.checkpoints_dir
+        if not planned or not self.spec.progress_file:
+            return
+        speed = self.spec.disk_write_bps or measure_write_speed(directory)
+        self.save_s = save_allowance(planned, speed)
+        measured = f"{speed / (1 << 20):,.0f} MiB/s" if speed else "not measured"
+        self.say(
+            f"a save of a checkpoint (about {planned / (1 << 20):,.1f} MiB on {directory}; its "
+            f"disk: {measured}) may take {self.save_s:.0f} s beyond the stall limit"
+        )
 
     def finish(self) -> None:
         self.last_refusals = -REFUSALS_EVERY  # what was refused since the last line, said now
@@ -181,8 +215,8 @@ class MasterAgent(NodeAgent):
             self.on_message(link, data)
 
     def stop(self) -> None:
-        """A stop was requested here."""
-        if not self.stop_requested:
+        """A stop was requested here (unless this node is shutting down: go_down)."""
+        if not self.stop_requested and not self.go_down():
             self.stop_requested = True
             self.say("stop requested")
             self.add_candidate(
@@ -226,6 +260,8 @@ class MasterAgent(NodeAgent):
         link.host = host
         peer.link, peer.seen = link, time.monotonic()
         peer.phase = Phase.of(data.get("phase"), Phase.WAITING)
+        rank = data.get("rank")
+        peer.rank = rank if isinstance(rank, int) and not isinstance(rank, bool) else peer.rank
         self.say(f"{host} joined (its phase: {peer.phase.value})")
         link.send(
             {
@@ -248,7 +284,8 @@ class MasterAgent(NodeAgent):
             peer.phase, peer.done = Phase.DONE, True
             self.say(f"{host}: its command ended, exit status 0")
             return
-        peer.phase = Phase.IDLE
+        finished = data.get("finished")
+        peer.phase = Phase.DONE if finished else Phase.IDLE
         cause = data.get("cause") if isinstance(data.get("cause"), dict) else None
         message = str(data.get("message") or f"its command ended, {describe_exit(code)}")
         kind = FailureKind.STOPPED if data.get("stopped") else FailureKind.of(data.get("kind"))
@@ -261,21 +298,38 @@ class MasterAgent(NodeAgent):
             errors=tuple(str(e) for e in data.get("errors") or []),
             cause=cause,
         )
-        if isinstance(data.get("at_s"), int | float):
+        if data.get("at_s") is not None:  # its clock (messages.py: finite): said, never ordered by
             reason = replace(reason, at_s=float(data["at_s"]))
+        if isinstance(finished, str) and finished:
+            peer.done = True
+            self.after_finish(reason, finished)
+            return
         self.add_candidate(reason)
 
     def peer_gone(self, host: str, why: str, *, silent: bool = True) -> None:
         """A peer vanished (fell silent, or closed its connection: `silent` False): a failure
-        while the job runs."""
+        while the job runs (unless the run goes on without it: min_nodes)."""
         self.peers[host].phase = Phase.ABSENT
         self.say(f"{host}: {why}")
+        if host in self.left_out:
+            return
         if self.phase in (Phase.STARTING, Phase.RUNNING):
             self.add_candidate(self.failure(FailureKind.VANISHED, why, node=host, silent=silent))
 
+    def after_finish(self, reason: Failure, finished: str) -> None:
+        """A node's command failed after its every rank finished training and its final
+        checkpoint is whole: a warning, kept for the verdict should the run fail after all."""
+        note = f"{reason.node}: {reason.message}, after {finished} (a failure in teardown)"
+        self.say(f"warning: {note}")
+        self.warnings.append(note)
+        self.teardown.append(Arrival(time.monotonic(), reason))
+
     def add_candidate(self, reason: Failure) -> None:
-        """A failure: end this attempt on every node (once), and keep it for the verdict."""
-        self.candidates.append(reason)
+        """A failure: end this attempt on every node (once), and keep it for the verdict (with
+        the teardown failures before it: they came first)."""
+        self.candidates.extend(self.teardown)
+        self.teardown = []
+        self.candidates.append(Arrival(time.monotonic(), reason))
         if self.abort_started is None and self.phase in (
             Phase.STARTING,
             Phase.RUNNING,
@@ -288,7 +342,7 @@ class MasterAgent(NodeAgent):
         self.abort_started = time.monotonic()
         for peer in self.peers.values():
             peer.checkpoints = None  # a restart needs what each holds once its command ended
-        first = self.candidates[-1]
+        first = self.candidates[-1].failure
         self.say(f"ending attempt {self.attempt} on every node: {first.node}: {first.message}")
         message = {"t": Kind.ABORT.value, "attempt": self.attempt, "reason": first.to_dict()}
         self.broadcast(message)
@@ -297,9 +351,16 @@ class MasterAgent(NodeAgent):
 
     # -- the local command ------------------------------------------------------------------
     def on_command(self, ended: Ended) -> None:
+        if self.local_done_at is not None:
+            return  # its ranks finished: what follows is teardown (after_finish said it)
+        finished = self.finished_here() if self.phase is Phase.RUNNING else ""
         if ended.reported:
             _message, reason = self.reported(ended)
-            self.add_candidate(reason)
+            if finished:
+                self.local_done_at = time.monotonic()
+                self.after_finish(reason, finished)
+            else:
+                self.add_candidate(reason)
             self.command.end("it reported a failure")
             return
         if self.phase is Phase.STOPPING and ended.aborted:
@@ -308,6 +369,11 @@ class MasterAgent(NodeAgent):
             self.local_done_at = time.monotonic()
             return
         message = f"its command ended, {describe_exit(ended.code)}"
+        if finished:
+            self.local_done_at = time.monotonic()
+            reason = self.failure(FailureKind.EXITED, message, exit_status=ended.code)
+            self.after_finish(replace(reason, errors=tuple(ended.errors)), finished)
+            return
         if self.phase is Phase.STARTING and not self.gate_open:
             message += f" before it listened on port {self.spec.gate_port}"
         self.add_candidate(
@@ -322,7 +388,7 @@ class MasterAgent(NodeAgent):
 
     def begin_attempt(self) -> None:
         """Start this node's command and wait for the gate and the peers."""
-        self.candidates, self.reason, self.abort_started = [], None, None
+        self.candidates, self.teardown, self.reason, self.abort_started = [], [], None, None
         self.local_done_at, self.gate_open = None, False
         path = self.spec.progress_file
         self.watch = Progress(file_size(path) if path else -1, time.monotonic(), False, [])
@@ -389,7 +455,7 @@ class MasterAgent(NodeAgent):
         if not self.gate_open and self.command.running() and self.gate_passed():
             self.gate_open = True
             self.say(f"rank 0 listens on port {self.spec.gate_port}")
-        missing = [h for h, p in self.peers.items() if not p.joined]
+        missing = [h for h, p in self.peers.items() if not p.joined and h not in self.left_out]
         if self.gate_open and not missing:
             self.broadcast({"t": Kind.START.value, "attempt": self.attempt})
             self.set_phase(Phase.RUNNING)
@@ -421,6 +487,10 @@ class MasterAgent(NodeAgent):
         if not self.spec.progress_file:
             return
         limit = stall_limit(self.watch.intervals or [], self.t.as_dict(), self.watch.seen_any)
+        doing = self.read_activity(now)
+        saving = doing.get("what") == "saving"
+        if saving:
+            limit += self.save_s
         silent = now - self.watch.seen_at
         if silent <= limit:
             return
@@ -428,25 +498,38 @@ class MasterAgent(NodeAgent):
         if self.command.frozen():
             frozen.insert(0, self.host)
         what = "first progress record" if not self.watch.seen_any else "new step"
+        saved = doing.get("checkpoint")
+        during = f", {self.save_s:.0f} s of it for saving {saved}" if saving else ""
         self.add_candidate(
             self.failure(
                 FailureKind.STALLED,
                 f"no {what} in {os.path.basename(self.spec.progress_file)} for "
-                f"{silent:.0f} s (limit {limit:.0f} s)"
+                f"{silent:.0f} s (limit {limit:.0f} s{during})"
                 + (f"; stopped processes on {', '.join(frozen)}" if frozen else ""),
                 node=frozen[0] if frozen else self.host,
             )
         )
 
+    def read_activity(self, now: float) -> dict[str, Any]:
+        """Rank 0's activity (saves.py): a rewrite of it is a sign of life (an evaluation's
+        progress, a save's start and end) that restarts the stall clock."""
+        stamp = activity_stamp(self.marks)
+        if stamp is None:
+            return {}
+        if stamp != self.watch.activity:
+            self.watch.activity, self.watch.seen_at = stamp, now
+            self.watch.doing = activity(self.marks)
+        return self.watch.doing
+
     def check_finish(self, now: float) -> None:
         """Rank 0 is done: the job is, once every peer is; a peer far behind has stalled."""
-        if all(p.done for p in self.peers.values()):
+        if all(p.done for h, p in self.peers.items() if h not in self.left_out):
             self.say("every node finished")
             self.set_phase(Phase.SUCCEEDED)
             return
         waited = now - (self.local_done_at or now)
         if waited > self.t.stall_floor:
-            late = [h for h, p in self.peers.items() if not p.done]
+            late = [h for h, p in self.peers.items() if not p.done and h not in self.left_out]
             why = f"still running {waited:.0f} s after rank 0 finished"
             self.add_candidate(self.failure(FailureKind.STALLED, why, node=late[0]))
 
@@ -474,7 +557,11 @@ class MasterAgent(NodeAgent):
         if self.command.running() or since < self.t.settle:
             return
         ended = (Phase.IDLE, Phase.DONE, Phase.ABSENT)
-        waiting = [h for h, p in self.peers.items() if p.joined and p.phase not in ended]
+        waiting = [
+            h
+            for h, p in self.peers.items()
+            if p.joined and p.phase not in ended and h not in self.left_out
+        ]
         overdue = since > self.t.stop + self.t.peer
         if waiting and not overdue:
             return
@@ -514,20 +601,21 @@ class MasterAgent(NodeAgent):
 
     def gather(self, now: float, within: float) -> None:
         """Continue the run once every node is connected, idle and has said which checkpoints
-        it holds; fail, naming the nodes that stayed away, after `within` seconds."""
-        back = (Phase.IDLE, Phase.DONE, Phase.WAITING)
-        listed = bool(self.spec.checkpoints_dir)
-        away = [
-            h
-            for h, p in self.peers.items()
-            if not (p.joined and p.phase in back and (p.checkpoints is not None or not listed))
-        ]
+        it holds (a node the last attempt ran without: if it is back by then); after `within`
+        seconds, on the nodes that are back if they are at least min_nodes, else fail naming
+        the nodes that stayed away."""
+        back = [h for h, p in self.peers.items() if self.is_back(p)]
+        away = [h for h in self.peers if h not in back and h not in self.left_out]
         if not away:
-            self.continue_run()
+            self.continue_run(back)
             return
         if now - self.phase_since <= within:
             return
         late = f"{', '.join(away)} did not come back within {within:.0f} s"
+        if self.spec.min_nodes and 1 + len(back) >= self.spec.min_nodes and self.reason:
+            self.say(f"{late}: the run continues without them (min_nodes {self.spec.min_nodes})")
+            self.continue_run(back)
+            return
         if self.reason is None:  # a resumed run whose nodes never all joined
             self.reason = self.failure(FailureKind.START, late, node=away[0], away=tuple(away))
         else:
@@ -536,23 +624,43 @@ class MasterAgent(NodeAgent):
         self.say(f"failed: {', '.join(away)} stayed away")
         self.set_phase(Phase.FAILED)
 
-    def continue_run(self) -> None:
-        """Every node is back: the next attempt, from the checkpoint they all hold. The one way
-        a run continues: after a failure (a restart, `self.reason` its cause) and at the start
-        of a resumed run alike."""
+    def is_back(self, peer: Peer) -> bool:
+        """Whether a peer is connected, idle and has said which checkpoints it holds."""
+        listed = peer.checkpoints is not None or not self.spec.checkpoints_dir
+        return peer.joined and peer.phase in (Phase.IDLE, Phase.DONE, Phase.WAITING) and listed
+
+    def continuation(self, back: list[str], resuming: bool, stamp: str) -> dict[str, Any]:
+        """The plan of the next attempt on this node and the peers `back`: the checkpoint the
+        nodes of the last attempt all hold (continue_plan), and a node that comes back after
+        the run went on without it only where it holds that checkpoint too."""
+        found = {self.host: listing(self.spec.checkpoints_dir)}
+        core = [h for h in back if h not in self.left_out]
+        found.update({h: self.peers[h].checkpoints or [] for h in core})
+        options = {"sharded": self.spec.sharded, "from_scratch": not resuming}
+        plan = continue_plan(found, self.spec.job, self.spec.checkpoints_dir, stamp, **options)
+        returning = [h for h in back if h in self.left_out]
+        if plan["ok"] and returning:
+            found.update({h: self.peers[h].checkpoints or [] for h in returning})
+            wider = continue_plan(found, self.spec.job, self.spec.checkpoints_dir, stamp, **options)
+            if wider["ok"] and wider["checkpoint"] == plan["checkpoint"]:
+                plan, core = wider, core + returning
+        nodes = [self.host, *sorted(core, key=lambda h: self.peers[h].rank)]
+        fewer = self.spec.fewer_nodes.get(len(nodes))
+        return {
+            **plan,
+            "nodes": nodes,
+            "args": list(fewer.args) if fewer else [],
+            "note": fewer.note if fewer else "",
+        }
+
+    def continue_run(self, back: list[str] | None = None) -> None:
+        """Every node is back (or min_nodes of them, `back` the peers among them): the next
+        attempt, from the checkpoint they all hold. The one way a run continues: after a
+        failure (a restart, `self.reason` its cause) and at the start of a resumed run alike."""
         after, resuming = self.reason, self.gathering
         self.gathering = False
         stamp = resume_stamp() if resuming else restart_stamp(self.attempt + 1)
-        found = {self.host: listing(self.spec.checkpoints_dir)}
-        found.update({host: peer.checkpoints or [] for host, peer in self.peers.items()})
-        plan = continue_plan(
-            found,
-            self.spec.job,
-            self.spec.checkpoints_dir,
-            stamp,
-            sharded=self.spec.sharded,
-            from_scratch=not resuming,
-        )
+        plan = self.continuation(list(self.peers) if back is None else back, resuming, stamp)
         if not plan["ok"]:
             self.say(f"failed: {plan['message']}")
             self.reason = (
@@ -562,11 +670,27 @@ class MasterAgent(NodeAgent):
             )
             self.set_phase(Phase.FAILED)
             return
+        self.left_out = [h for h in self.peers if h not in plan["nodes"]]
         if after is not None:
             self.attempt += 1
-            self.restarts.append(Restart(self.attempt, iso(time.time()), after, plan["checkpoint"]))
+            self.restarts.append(
+                Restart(
+                    self.attempt,
+                    iso(time.time()),
+                    after,
+                    plan["checkpoint"],
+                    tuple(self.left_out),
+                    plan["note"],
+                )
+            )
             self.say(
                 f"restart {len(self.restarts)} of {self.spec.max_restarts}: attempt {self.attempt}"
+            )
+        if self.left_out:
+            self.say(
+                f"attempt {self.attempt} runs on {len(plan['nodes'])} of {self.spec.nnodes} nodes "
+                f"({', '.join(plan['nodes'])}), without {', '.join(self.left_out)}: "
+                f"{plan['note'] or 'as planned'}"
             )
         if plan["message"]:
             self.say(plan["message"])

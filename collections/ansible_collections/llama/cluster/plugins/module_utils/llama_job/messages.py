@@ -169,6 +169,7 @@ CHECKPOINTS = _list(
     400,
 )
 CHECKPOINT_NAME = _text(64)
+HOSTS = _list(HOST, 1024)
 PLAN = _record(
     {
         "ok": _flag,
@@ -176,6 +177,11 @@ PLAN = _record(
         "set_aside": _mapping(_list(CHECKPOINT_NAME, 400), 1024),
         "stamp": _text(64),
         "message": MESSAGE,
+        # The nodes of the attempt in node rank order, and what each command is given for
+        # that many (a run on fewer nodes: min_nodes).
+        "nodes": HOSTS,
+        "args": _list(_text(1024), 64),
+        "note": MESSAGE,
     },
     required=("ok",),
 )
@@ -208,6 +214,8 @@ FROM_WORKER: dict[str, Check] = {
             "cause": CAUSE,
             "kind": _one_of(*(kind.value for kind in FailureKind)),
             "checkpoints": CHECKPOINTS,
+            # Why a command that failed had every rank finished (saves.finished), or "".
+            "finished": MESSAGE,
         },
         required=("attempt",),
     ),
@@ -264,6 +272,8 @@ STATE = _record(
                     "at": _optional(_text(32)),
                     "after": _optional(FAILURE),
                     "checkpoint": _optional(_text(4096)),
+                    "left_out": HOSTS,
+                    "note": MESSAGE,
                 }
             ),
             10_000,
@@ -282,6 +292,8 @@ STATE = _record(
         "started": _optional(_text(32)),
         "updated": _optional(_text(32)),
         "ended": _optional(_text(32)),
+        "warnings": _list(MESSAGE, 1000),
+        "left_out": HOSTS,
     }
 )
 

@@ -1,11 +1,14 @@
-"""Out of memory: the kernel's OOM killer (host memory) or torch's CUDA out-of-memory error.
+"""Out of memory: the kernel's OOM killer (host memory) or torch's CUDA out-of-memory error;
+and out of disk: the checkpoints' filesystem full.
 
 What a failed attempt ran out of, from the unit's cgroup counters, the node's counter, the
-kernel log and the command's own output; and the words that name it.
+kernel log, the command's own output and the checkpoints' filesystem; and the words that name
+it.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -43,6 +46,13 @@ AGENT_FAILURE = re.compile(r"failed \(exitcode:\s*(-?\d+)\)\s*local_rank:\s*\d+\
 OOM_VICTIM = re.compile(r"out of memory: Killed process (\d+) \(([^)]*)\)", re.IGNORECASE)
 OOM_SUMMARY = re.compile(r"oom-kill:.*?\btask=([^,]*),pid=(\d+),uid=(\d+)")
 OOM_LINE = re.compile(r"Killed process \d+|oom-kill:")
+# A write that failed for space: Python's OSError, safetensors' (Rust) and torch's zip writer.
+DISK_FULL = re.compile(
+    r"No space left on device|\[Errno 28\]|ENOSPC|StorageFull|Disk quota exceeded|"
+    r"file write failed",
+    re.IGNORECASE,
+)
+FULL_BYTES = 64 << 20  # a filesystem with less free than this (or 2 %) is full
 ANON_RSS = re.compile(r"anon-rss:(\d+)kB")
 VICTIM_UID = re.compile(r"\bUID:(\d+)")
 
@@ -324,8 +334,39 @@ def cuda_oom(text: str, failures: list[dict[str, Any]]) -> dict[str, Any] | None
     return None
 
 
+def disk_full(text: str, directory: str) -> dict[str, Any] | None:
+    """The checkpoints' filesystem, full, where the output says a write failed for space and
+    `directory`'s filesystem has next to nothing free (so the words name the right disk)."""
+    if not directory or not DISK_FULL.search(text):
+        return None
+    try:
+        found = os.statvfs(directory)
+    except OSError:
+        return None
+    free, total = found.f_bavail * found.f_frsize, found.f_blocks * found.f_frsize
+    if free > max(FULL_BYTES, total // 50):
+        return None
+    return {"kind": "disk_full", "path": directory, "free_bytes": free, "total_bytes": total}
+
+
+def size_words(value: object) -> str:
+    """'12.0 KiB', '3.5 GiB': bytes as people read them."""
+    amount = float(value) if isinstance(value, int | float) else 0.0
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if amount < 1024 or unit == "GiB":
+            return f"{amount:,.0f} bytes" if unit == "bytes" else f"{amount:,.1f} {unit}"
+        amount /= 1024
+    return ""
+
+
 def describe_cause(cause: dict[str, Any], node: str, step: object = None) -> str:
     """A failure's cause in words, naming the rank (or process) and the node."""
+    if cause.get("kind") == "disk_full":
+        when = f" after step {step}" if step is not None else ""
+        return (
+            f"the disk of {cause.get('path')} on {node} is full{when}: "
+            f"{size_words(cause.get('free_bytes'))} free of {size_words(cause.get('total_bytes'))}"
+        )
     rank, pid = cause.get("rank"), cause.get("pid")
     who = (
         f"rank {rank}"

@@ -276,6 +276,10 @@ class Restart:
     at: str | None = None
     after: Failure | None = None
     checkpoint: str | None = None
+    # The nodes it continued without (min_nodes: gone past the restart window), and the plan of
+    # the run on the nodes that remained (the spec's fewer_nodes note).
+    left_out: tuple[str, ...] = ()
+    note: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """Its JSON."""
@@ -291,6 +295,8 @@ class Restart:
             at=_text(data.get("at")),
             after=Failure.from_dict(data.get("after")),
             checkpoint=_text(data.get("checkpoint")),
+            left_out=_strings(data.get("left_out")),
+            note=str(data.get("note") or ""),
         )
 
 
@@ -335,6 +341,10 @@ class RankStatus:
     started: str | None = None
     ended: str | None = None
     updated: str | None = None
+    # What did not fail the run but is worth saying (a failure in teardown after every rank
+    # reached the last step), and the nodes the current attempt runs without (min_nodes).
+    warnings: tuple[str, ...] = ()
+    left_out: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """Its JSON (what llama-job prints)."""
@@ -368,18 +378,22 @@ class RankStatus:
             started=_text(data.get("started")),
             ended=_text(data.get("ended")),
             updated=_text(data.get("updated")),
+            warnings=_strings(data.get("warnings")),
+            left_out=_strings(data.get("left_out")),
         )
 
     def given_up(self) -> tuple[str, ...]:
         """The nodes this rank's agent gave up (a master's verdict): the one that fell silent (not
-        one whose agent closed its connection: that machine still answers), and those that did
-        not come back for a restart. The plays ask them no more."""
+        one whose agent closed its connection: that machine still answers), those that did not
+        come back for a restart, and those the run went on without (min_nodes). The plays ask
+        them no more."""
         reason = self.reason
         if reason is None:
-            return ()
+            return tuple(h for h in self.left_out if h != self.host)
         silent = reason.kind is FailureKind.VANISHED and reason.silent
         lost = [reason.node] if silent and reason.node else []
-        return tuple(h for h in dict.fromkeys([*lost, *reason.away]) if h != self.host)
+        away = [*lost, *reason.away, *self.left_out]
+        return tuple(h for h in dict.fromkeys(away) if h != self.host)
 
     def progress_line(self) -> str:
         """One human-readable progress line."""
@@ -398,6 +412,8 @@ class RankStatus:
         parts = record_line(record)
         if self.phase is not Phase.RUNNING:
             parts.insert(0, self.phase.value)
+        if self.left_out:
+            parts.append(f"without {', '.join(self.left_out)}")
         return "  ".join(parts) + tail
 
 
@@ -473,6 +489,8 @@ def rank_status(
         started=_text(record.get("started")),
         ended=_text(state.get("ended")),
         updated=_text(state.get("updated")),
+        warnings=_strings(state.get("warnings")),
+        left_out=_strings(state.get("left_out")),
     )
 
 
@@ -628,6 +646,8 @@ class JobStatus:
     # where the master's status was given the log.
     trainer_log: Mapping[str, Any] = field(default_factory=dict)
     summary: RunSummary | None = None
+    warnings: tuple[str, ...] = ()  # the master's (RankStatus.warnings)
+    left_out: tuple[str, ...] = ()  # the nodes the last attempt ran without (min_nodes)
 
     @property
     def node(self) -> str | None:
@@ -680,4 +700,6 @@ class JobStatus:
             ended=_text(data.get("ended")),
             trainer_log=_mapping(data.get("trainer_log")),
             summary=RunSummary.from_dict(data.get("summary")),
+            warnings=_strings(data.get("warnings")),
+            left_out=_strings(data.get("left_out")),
         )

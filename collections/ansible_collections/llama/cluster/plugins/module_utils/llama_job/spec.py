@@ -79,6 +79,15 @@ class Master:
 
 
 @dataclass(frozen=True)
+class FewerNodes:
+    """The run on fewer nodes than it started with: the arguments its command is given on
+    each of them (e.g. gradient_accumulation_steps=16) and the plan's words for it."""
+
+    args: tuple[str, ...]
+    note: str = ""
+
+
+@dataclass(frozen=True)
 class JobSpec:
     """One node's part of a job."""
 
@@ -124,6 +133,15 @@ class JobSpec:
     # The global ranks (torchrun's RANK) of this node's processes, in local order: what status
     # names (empty for a job that is not torchrun's, such as a service).
     ranks: tuple[int, ...] = ()
+    # A checkpoint's planned size on this node (bytes; 0: not planned) and the disk's write
+    # speed (bytes/s; 0: measured by the master's agent): what bounds a save (saves.py).
+    checkpoint_bytes: int = 0
+    disk_write_bps: float = 0.0
+    # The fewest nodes the run may continue on when others stay away past the restart window
+    # (0: every node), and for each count below nnodes what its command is given (the
+    # controller's plan for that many nodes: the same effective batch, memory checked again).
+    min_nodes: int = 0
+    fewer_nodes: dict[int, FewerNodes] = field(default_factory=dict)
 
     @property
     def is_master(self) -> bool:
@@ -203,6 +221,31 @@ def _ranks(path: str, raw: Mapping[str, Any]) -> tuple[int, ...]:
     return tuple(given)
 
 
+def _fewer_nodes(path: str, raw: Mapping[str, Any]) -> tuple[int, dict[int, FewerNodes]]:
+    """min_nodes (0: every node) and the plan of each count from it up to nnodes - 1."""
+    least = raw.get("min_nodes") or 0
+    nnodes = raw["nnodes"]
+    if isinstance(least, bool) or not isinstance(least, int) or not 0 <= least <= nnodes:
+        raise Refused(f"{path}: min_nodes must be an integer from 1 to nnodes ({nnodes}), or 0")
+    given = raw.get("fewer_nodes") or {}
+    plans = {}
+    for count in range(least or nnodes, nnodes):
+        entry = given.get(str(count)) if isinstance(given, Mapping) else None
+        args = entry.get("args") if isinstance(entry, Mapping) else None
+        if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+            raise Refused(f"{path}: fewer_nodes.{count}.args must be a list of strings")
+        plans[count] = FewerNodes(tuple(args), str(entry.get("note") or ""))
+    return least, plans
+
+
+def _non_negative(path: str, raw: Mapping[str, Any], key: str) -> int:
+    """A number the spec may leave out (0), as an integer."""
+    value = raw.get(key) or 0
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise Refused(f"{path}: {key} must be a non-negative number")
+    return int(value)
+
+
 def _master(raw: Mapping[str, Any]) -> Master:
     given = raw.get("master") if isinstance(raw.get("master"), Mapping) else {}
     return Master(host=str(given.get("host", raw["host"])), address=str(given.get("address", "")))
@@ -241,6 +284,7 @@ def parse_spec(path: str, raw: Mapping[str, Any]) -> JobSpec:
     if raw.get("role") not in ("master", "worker"):
         raise Refused(f"{path}: role must be master or worker")
     log_max_bytes, log_keep = _log_rotate(path, raw)
+    min_nodes, fewer_nodes = _fewer_nodes(path, raw)
     return JobSpec(
         job=raw["job"],
         host=raw["host"],
@@ -274,6 +318,10 @@ def parse_spec(path: str, raw: Mapping[str, Any]) -> JobSpec:
         log_max_bytes=log_max_bytes,
         log_keep=log_keep,
         ranks=_ranks(path, raw),
+        checkpoint_bytes=_non_negative(path, raw, "checkpoint_bytes"),
+        disk_write_bps=float(_non_negative(path, raw, "disk_write_bps")),
+        min_nodes=min_nodes,
+        fewer_nodes=fewer_nodes,
     )
 
 

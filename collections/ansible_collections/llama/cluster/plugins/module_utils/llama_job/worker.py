@@ -139,8 +139,9 @@ class WorkerAgent(NodeAgent):
         self.master_refused = False
 
     def stop(self) -> None:
-        """SIGTERM on a worker: end the command, tell the master, end."""
-        if self.stop_requested:
+        """SIGTERM on a worker: end the command, tell the master, end (unless this node is
+        shutting down: go_down)."""
+        if self.stop_requested or self.go_down():
             return
         self.stop_requested = True
         self.say("stop requested")
@@ -184,7 +185,13 @@ class WorkerAgent(NodeAgent):
             self.say(f"restart: attempt {self.attempt} (after {after.node}: {after.message})")
         self.reason = None
         self.prepare_continue(plan)
+        if not self.in_attempt():
+            self.say(f"attempt {self.attempt} runs without this node: {', '.join(self.nodes)}")
         self.set_phase(Phase.WAITING)
+
+    def in_attempt(self) -> bool:
+        """Whether this node takes part in the current attempt (not left out: min_nodes)."""
+        return not self.nodes or self.host in self.nodes
 
     def abort(self, data: dict[str, Any]) -> None:
         """The master ends this attempt on every node."""
@@ -199,7 +206,7 @@ class WorkerAgent(NodeAgent):
 
     def start_attempt(self, attempt: int) -> None:
         """Start this node's command for an attempt, once the master port answers."""
-        if self.command.running() or self.phase is Phase.DONE:
+        if self.command.running() or self.phase is Phase.DONE or not self.in_attempt():
             return
         self.attempt = attempt
         address, port = self.spec.master.address, int(self.spec.master_port or 0)
@@ -231,9 +238,12 @@ class WorkerAgent(NodeAgent):
 
     # -- the local command ------------------------------------------------------------------
     def on_command(self, ended: Ended) -> None:
+        if self.phase is Phase.DONE:
+            return  # its ranks finished: what follows is teardown (said to the master)
         if ended.reported:
             message, reason = self.reported(ended)
-            self.reason = reason
+            finished = self.finished_here()
+            self.reason = None if finished else reason
             self.send_master(
                 {
                     "t": Kind.EXIT.value,
@@ -244,15 +254,21 @@ class WorkerAgent(NodeAgent):
                     "at_s": time.time(),
                     "message": message,
                     "cause": ended.cause,
+                    "finished": finished,
                 }
             )
             self.command.end("it reported a failure")
+            if finished:
+                self.set_phase(Phase.DONE)
             return
         self.command_ended(ended)
 
     def command_ended(self, ended: Ended) -> None:
-        """This worker's command ended: tell the master."""
+        """This worker's command ended: tell the master (whether its ranks had all finished
+        training, for a command that failed after: saves.finished)."""
         words = f"its command ended, {describe_exit(ended.code)}"
+        failed = ended.code != 0 and not ended.aborted and not self.stop_requested
+        finished = self.finished_here() if failed else ""
         self.send_master(
             {
                 "t": Kind.EXIT.value,
@@ -265,12 +281,13 @@ class WorkerAgent(NodeAgent):
                 "at_s": time.time(),
                 "message": words,
                 "cause": ended.cause,
+                "finished": finished,
             }
         )
         if self.stop_requested:
             self.leave(Phase.STOPPED, self.failure(FailureKind.STOPPED, "stopped on request"))
             return
-        if ended.code == 0 and not ended.aborted:
+        if (ended.code == 0 and not ended.aborted) or finished:
             self.set_phase(Phase.DONE)
             return
         if not ended.aborted:

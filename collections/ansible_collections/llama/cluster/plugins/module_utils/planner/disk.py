@@ -18,19 +18,29 @@ One checkpoint's size is an estimate, per node, in bytes per parameter (P: the m
 LoRA adapter's), of what LLaMA-Factory 0.9.5 and transformers write:
 
 - full, plain DDP or FSDP (full state dicts): the weights as trained (fp32: LLaMA-Factory upcasts
-  trainable weights unless pure_bf16) and AdamW's two fp32 moments, 4 + 8 = 12 x P;
-- full, DeepSpeed (bf16): the bf16 weights (model.safetensors, 2), for ZeRO-0/2 DeepSpeed's own
-  copy of them (mp_rank_00_model_states.pt, 2), and this node's share of the per-rank optimizer
-  shards: fp32 master weights and two moments, 12 x P x processes on the node / world size (the
-  whole 12 where the runs directory is shared storage: every rank writes there);
-- LoRA: the adapter in fp32 and its AdamW moments, 4 + 8 = 12 x A (+ 4 x A of fp32 master weights
-  under DeepSpeed), A counted from the model's shape (upper bound: key/value projections counted as
-  wide as the hidden size); the base model is never saved;
+  trainable weights unless pure_bf16) and the optimizer's two moments: 8 for AdamW's fp32 ones,
+  2 for an 8-bit AdamW's (bitsandbytes' `adamw_8bit`, `paged_adamw_8bit`, torchao's
+  `adamw_torch_8bit`: a byte each, and one fp32 scale per block of 256: 2.03), 1 for a 4-bit
+  one's; so 4 + 8 = 12 x P with AdamW, 4 + 2.03 = 6.03 x P with 8-bit AdamW, plus the input
+  embedding's moments in fp32 (transformers keeps an nn.Embedding's optimizer state 32-bit under
+  bitsandbytes: 5.97 more bytes for each of its vocabulary x hidden parameters);
+- full, DeepSpeed, every ZeRO stage with or without offload and hpZ (bf16): the bf16 weights
+  (model.safetensors, 2), for ZeRO-0/1/2 DeepSpeed's own copy of them (mp_rank_00_model_states.pt,
+  2), and this node's share of the per-rank optimizer shards: fp32 master weights and two moments,
+  12 x P x processes on the node / world size (the whole 12 where the runs directory is shared
+  storage: every rank writes there); offloading changes where they live while training, not what
+  is saved;
+- LoRA, and QLoRA alike (its adapter is trained and saved as LoRA's; the 4-bit base is never
+  saved): the adapter in fp32 and its optimizer's moments, 4 + 8 = 12 x A (+ 4 x A of fp32
+  master weights under DeepSpeed), A counted from the model's shape (upper bound: key/value
+  projections counted as wide as the hidden size);
 - freeze: the whole model's weights, 2 x P (its trainable layers' optimizer state not counted);
 - save_only_model: the weights alone.
 
 The final model (written once at the end) is the weights alone. Tokenizer files, RNG and scheduler
-states (a few MB) are not counted.
+states (a few MB) are not counted. tests/data/checkpoint_sizes.json holds checkpoints measured on
+the lab and on the GPU machine, each replayed against this model by
+tests/unit/planner/test_checkpoint_sizes.py.
 """
 
 from __future__ import annotations
@@ -43,6 +53,15 @@ from typing import Any
 from .memory import GIB
 from .plan import Stage
 
+# The bytes a parameter's optimizer moments take, by transformers' `optim` (AdamW's fp32 two
+# when it is not named here): 8-bit states a byte each plus an fp32 scale per 256, 4-bit half.
+MOMENTS = {
+    "adamw_8bit": 2 + 8 / 256,
+    "adamw_bnb_8bit": 2 + 8 / 256,
+    "paged_adamw_8bit": 2 + 8 / 256,
+    "adamw_torch_8bit": 2 + 8 / 256,
+    "adamw_torch_4bit": 1 + 8 / 256,
+}
 # The linear layers of a Qwen2/Llama-style decoder layer, (inputs, outputs): h the hidden size, i
 # the MLP's intermediate size. LoRA adds rank x (inputs + outputs) parameters to each. k_proj and
 # v_proj are counted as wide as h (grouped-query attention makes them narrower): an upper bound.
@@ -75,6 +94,15 @@ def lora_params(shape: Mapping[str, Any] | None, rank: int, target: Any) -> int 
     return int(rank) * per_layer * int(shape["layers"])
 
 
+def _moments(args: Mapping[str, Any]) -> tuple[str, float]:
+    """The optimizer's moments: what they are and their bytes a parameter."""
+    optim = str(args.get("optim") or "adamw_torch")
+    if optim in MOMENTS:
+        bits = "4-bit" if "4bit" in optim else "8-bit"
+        return f"{optim}'s 2 {bits} moments", MOMENTS[optim]
+    return "AdamW's 2 fp32 moments", 8.0
+
+
 def _terms(
     finetuning: str, stage: Stage, args: Mapping[str, Any], share: float
 ) -> tuple[list[tuple[str, float]], float]:
@@ -87,7 +115,7 @@ def _terms(
         weights = 2.0 if args.get("pure_bf16") else 4.0
         terms = [(f"the adapter ({'bf16' if weights == 2 else 'fp32'})", weights)]
         if not args.get("save_only_model"):
-            terms.append(("AdamW's 2 fp32 moments", 8.0))
+            terms.append(_moments(args))
             if deepspeed:
                 terms.append(("DeepSpeed's fp32 master weights", 4.0))
         return terms, weights
@@ -100,7 +128,7 @@ def _terms(
     if args.get("save_only_model"):
         return terms, weights
     if not deepspeed:
-        return [*terms, ("AdamW's 2 fp32 moments", 8.0)], weights
+        return [*terms, _moments(args)], weights
     if stage.zero < 3:
         terms.append(("DeepSpeed's copy of the weights", weights))
     shards = (
@@ -110,6 +138,25 @@ def _terms(
         (f"{shards} optimizer shards (fp32 master weights, 2 AdamW moments: 12)", 12.0 * share)
     )
     return terms, weights
+
+
+def _embedding_terms(
+    finetuning: str,
+    stage: Stage,
+    args: Mapping[str, Any],
+    shape: Mapping[str, Any] | None,
+    unit: int | None,
+) -> list[tuple[str, float]]:
+    """The input embedding's moments kept in fp32 under an 8-bit optimizer (bitsandbytes'
+    module override, set by transformers' Trainer), per parameter of the model; none where the
+    shape is unknown."""
+    optim = str(args.get("optim") or "")
+    if finetuning != "full" or stage.zero is not None or optim not in MOMENTS or not unit:
+        return []
+    if not shape or args.get("save_only_model"):
+        return []
+    embedding = int(shape["vocab"]) * int(shape["hidden"])
+    return [("the embedding's moments kept fp32", (8.0 - MOMENTS[optim]) * embedding / unit)]
 
 
 def _saves(args: Mapping[str, Any], steps: int | None) -> int | None:
@@ -152,6 +199,7 @@ def disk_estimate(
     else:
         unit = int(float(model["params_b"]) * 1e9)
         what = "parameters"
+    terms += _embedding_terms(finetuning, Stage(stage), args, model.get("shape"), unit)
     per = sum(value for _, value in terms)
     formula = " + ".join(f"{name} {value:g}" for name, value in terms)
     if unit:

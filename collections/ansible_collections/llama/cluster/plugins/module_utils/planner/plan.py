@@ -255,6 +255,10 @@ class Plan:
     max_restarts: int = 0
     resume: bool = False
     model_stage: Mapping[str, Any] | None = None  # roles/model_stage's request (the action's)
+    # -e min_nodes (0: every node) and the run planned on each count of nodes from it
+    # (module_utils/fewer_nodes.py): {"<count>": {"args": [...], "note": ...}}.
+    min_nodes: int = 0
+    fewer_nodes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     summary: tuple[str, ...] = ()  # the lines shown before launch
     version: int = PLAN_VERSION
 
@@ -364,6 +368,10 @@ class RunReport:
     gradient_accumulation_steps: int | None = None
     gradient_checkpointing: bool | None = None
     torch_compile: bool | None = None
+    # What did not fail the run (a failure in teardown after every rank finished), and the
+    # nodes its last attempt ran without (-e min_nodes).
+    warnings: tuple[str, ...] = ()
+    left_out: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("controller_dir", "loss_plot"):  # paths given as text (JSON, the filters)
@@ -395,7 +403,8 @@ class RunReport:
         data["controller_dir"] = str(self.controller_dir) if self.controller_dir else None
         data["loss_plot"] = str(self.loss_plot) if self.loss_plot else None
         data["ranks"] = {host: list(ranks) for host, ranks in self.ranks.items()}
-        data["checkpoints"] = list(self.checkpoints)
+        for key in ("checkpoints", "warnings", "left_out"):
+            data[key] = list(getattr(self, key))
         return data
 
     @classmethod
@@ -408,15 +417,24 @@ class RunReport:
             str(host): tuple(int(r) for r in ranks or ())
             for host, ranks in (data.get("ranks") or {}).items()
         }
-        values["checkpoints"] = tuple(str(c) for c in data.get("checkpoints") or ())
+        for key in ("checkpoints", "warnings", "left_out"):
+            values[key] = tuple(str(c) for c in data.get(key) or ())
         return cls(**values)
 
     def lines(
-        self, ranks: str, master: str, *, adapter: bool, failed: Sequence[str], allowed: int
+        self,
+        ranks: str,
+        master: str,
+        *,
+        adapter: bool,
+        failed: Sequence[str],
+        allowed: int,
+        without: str = "",
     ) -> list[str]:
         """What the play prints: `ranks` every node's ranks in words, `master` where the output
         is, `adapter` whether it is a LoRA adapter, `failed` the node that failed before each
-        restart and `allowed` the restarts allowed."""
+        restart, `allowed` the restarts allowed and `without` how the run went on without the
+        nodes it left out (min_nodes)."""
         return [
             f"Run {self.run_id} finished: world size {self.world_size}, effective batch "
             f"{self.effective_batch_size}",
@@ -430,4 +448,7 @@ class RunReport:
             f"Restarts: {len(failed)} of {allowed} ({', '.join(failed)} failed)"
             if failed
             else "Restarts: none",
+            f"Ran without: {', '.join(self.left_out) or 'none'}"
+            + (f" ({without})" if self.left_out and without else ""),
+            f"Warnings: {'; '.join(self.warnings) or 'none'}",
         ]
