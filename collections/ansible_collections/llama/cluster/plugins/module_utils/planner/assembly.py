@@ -38,6 +38,7 @@ from .search import (
     Search,
     Tries,
     assess,
+    check_size,
     hybrid_applies,
     ranked,
 )
@@ -376,7 +377,9 @@ def _training_args(
         computed["torch_compile"] = True
     decisions["torch_compile"] = "as set" if "torch_compile" in explicit else why
     decisions["estimated_steps"] = str(steps)
-    return {**settings.defaults, **computed, **explicit}, decisions, batch, steps
+    args = {**settings.defaults, **computed, **explicit}
+    check_size(args, steps, cost(batch) if cost is not None else None)
+    return args, decisions, batch, steps
 
 
 def plan(

@@ -27,6 +27,7 @@ from typing import Any
 
 from .cost import Link, Setup, StepCost, mfu, step_cost
 from .decisions import Batch, BatchRequest, batch_options
+from .disk import saves_of
 from .errors import PlanError
 from .links import CHECK
 from .measured_memory import Shape
@@ -51,6 +52,11 @@ def hybrid_applies(memory: Memory) -> bool:
 
 
 MIN_EFFICIENCY = 0.6  # of linear scaling, below which train.yml refuses (issue 22)
+# Bounds beyond any real run (issue 48): refused before launch as a typo (num_train_epochs 1e12).
+MAX_RUN_S = 365 * 86400.0  # a year of training
+MAX_STEPS = 10**9  # over 115 days even at 10 ms a step
+MAX_SAVES = 10**6  # checkpoints written: over 11 days of saving even at a second each
+FLOOR_STEP_S = 0.01  # the step time assumed where none is predicted (CPU clusters, no shape)
 
 
 Tries = Mapping[str, tuple[Technique, ...]]
@@ -285,6 +291,35 @@ def scaling_line(scales: list[Scale]) -> str:
         eff = f" ({s.efficiency:.0%} of linear)" if s.efficiency is not None else ""
         parts.append(f"{s.nodes} {noun} {s.tokens_per_s:,.0f} tokens/s{eff}")
     return "; ".join(parts)
+
+
+def check_size(args: Mapping[str, Any], steps: int | None, step_s: float | None) -> None:
+    """PlanError where the run of training arguments `args` is beyond any real run (MAX_RUN_S,
+    MAX_STEPS, MAX_SAVES), with its predicted time: a typo's size (num_train_epochs 1e12) would
+    otherwise be launched."""
+
+    def span(seconds: float) -> str:  # 126,839 years, 40 days, 5.2 hours
+        for unit, size in (("years", 365 * 86400.0), ("days", 86400.0), ("hours", 3600.0)):
+            if seconds >= size:
+                return f"{seconds / size:,.{0 if seconds >= 10 * size else 1}f} {unit}"
+        return f"{seconds:,.0f} s"
+
+    saves = saves_of(args, steps)
+    seconds = (steps or 0) * (step_s or FLOOR_STEP_S)
+    if (steps or 0) <= MAX_STEPS and seconds <= MAX_RUN_S and (saves or 0) <= MAX_SAVES:
+        return
+    time = (
+        f"predicted to take {span(seconds)} at {step_s:.3g} s a step"
+        if step_s
+        else f"at least {span(seconds)} even at {FLOOR_STEP_S:g} s a step (none is predicted)"
+    )
+    found = [f"{steps:,} optimizer steps, {time}" if steps else ""]
+    found.append(f"{saves:,} checkpoints written" if saves else "")
+    raise PlanError(
+        f"Refused before launch: {'; '.join(f for f in found if f)}: beyond any real run (the "
+        f"bounds: a year, {MAX_STEPS:,} steps, {MAX_SAVES:,} checkpoints written). Check "
+        "num_train_epochs, max_steps and save_steps (train_args), or max_samples."
+    )
 
 
 def go_no_go(scales: list[Scale]) -> str | None:
