@@ -23,7 +23,7 @@ from .oom import describe_cause
 from .procs import become_subreaper
 from .protocol import Failure, FailureKind, Phase, Restart, describe_exit, iso
 from .spec import JobSpec, Refused
-from .untrusted import read_untrusted, write_json
+from .untrusted import read_json_untrusted, read_untrusted, write_json
 from .wire import VERSION
 
 LOG_LOOK_S = 5.0  # seconds between two looks at the node log's size
@@ -71,6 +71,27 @@ class NodeAgent:
         self.last_state_write = 0.0
         self.resume_from: str | None = None  # the checkpoint this attempt resumes from
         self.log_looked = 0.0  # when the log's size was last looked at
+        # A resumed run's earlier launches (their attempts, from the state file they left), and
+        # why the last of them ended: status shows every attempt of the run.
+        self.history: list[Restart] = []
+        self.earlier: Failure | None = None
+        if spec.resume:
+            self.carry_history()
+
+    def carry_history(self) -> None:
+        """Take the attempts of the launch before this one from its state file (this node's,
+        at the same path), before this launch writes its own; attempts count on from it."""
+        before = read_json_untrusted(self.spec.state, (0, os.getuid()))
+        if before.get("job") != self.spec.job:
+            return
+        attempt = before.get("attempt")
+        first = [Restart(1, str(before.get("started") or "") or None)]
+        self.history = [
+            *([r for r in map(Restart.from_dict, before.get("history") or []) if r] or first),
+            *(r for r in map(Restart.from_dict, before.get("restarts") or []) if r),
+        ]
+        self.earlier = Failure.from_dict(before.get("reason"))
+        self.attempt = attempt if isinstance(attempt, int) and attempt > 0 else 1
 
     # -- plumbing -------------------------------------------------------------------------------
     def say(self, text: str) -> None:
@@ -113,6 +134,7 @@ class NodeAgent:
             "attempt": self.attempt,
             "max_restarts": self.spec.max_restarts,
             "restarts": [r.to_dict() for r in self.restarts],
+            "history": [r.to_dict() for r in self.history],
             "exit_status": self.command.exit_status,
             "reason": self.reason.to_dict() if self.reason else None,
             "progress": self.progress,

@@ -555,6 +555,10 @@ class MasterAgent(NodeAgent):
             self.say(
                 f"restart {len(self.restarts)} of {self.spec.max_restarts}: attempt {self.attempt}"
             )
+        elif resuming:  # attempts count on from the launch before (carry_history)
+            self.attempt += 1 if self.history else 0
+            now = iso(time.time())
+            self.history.append(Restart(self.attempt, now, self.earlier, plan["checkpoint"], True))
         if plan["message"]:
             self.say(plan["message"])
         self.broadcast(
