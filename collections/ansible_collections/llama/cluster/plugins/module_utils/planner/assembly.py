@@ -260,12 +260,20 @@ def _cpu_memory_refusal(memory: Memory, node: Mapping[str, Any] | None) -> str:
         if node
         else "the smallest node"
     )
+    fits = int((memory.host_budget or 0) // (memory.host_need("none") / memory.nproc))
+    ways = [
+        f"train {fits} process{'es' if fits > 1 else ''} per node (-e nproc_per_node={fits} fits)"
+        if fits
+        else "train fewer processes per node (not even one fits now)"
+    ]
+    if memory.finetuning == "full" and replace(memory, finetuning="lora").host_fits("none"):
+        ways.append("LoRA (-e finetuning_type=lora)")
     return (
         f"The run does not fit the nodes' memory: its {memory.nproc} training processes per node "
-        f"need about {gib_text(memory.host_need('none'))} (fp32 weights, gradients and AdamW "
-        f"states, and each process's own), and {where} has {gib_text(memory.host_budget)} to "
-        "give. Free memory there, train fewer processes per node (nproc_per_node), LoRA "
-        "(-e finetuning_type=lora), or a smaller model. Nothing was changed on any node."
+        f"need about {gib_text(memory.host_need('none'))} (the weights, what the optimizer "
+        f"updates, and each process's own), and {where} has {gib_text(memory.host_budget)} to "
+        f"give. Free memory there, {', '.join(ways)}, or a smaller model. Nothing was changed "
+        "on any node."
     )
 
 

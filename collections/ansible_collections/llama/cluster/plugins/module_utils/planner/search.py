@@ -348,12 +348,18 @@ def needed_gbps(
 ) -> float | None:
     """The link (Gbit/s) on which `option`'s step would take at most `seconds`, or None when
     its compute and the fixed costs (latency, the per-step overhead) alone take longer."""
-    fast = replace(link, bandwidth=1e18)
-    floor = step_cost(shape, option.setup, world=world, link=fast).communication or 0.0
-    budget = seconds - option.cost.compute - floor
+    budget = seconds - fixed_step_s(option, shape, link, world)
     if budget <= 0:
         return None
     return option.cost.traffic.wire_bytes / budget * 8 / 1e9
+
+
+def fixed_step_s(option: Option, shape: Shape, link: Link, world: int) -> float:
+    """`option`'s step on a link of any bandwidth: its compute, and the communication that no
+    bandwidth shortens (the link's latency, the per-step overhead)."""
+    fast = replace(link, bandwidth=1e18)
+    floor = step_cost(shape, option.setup, world=world, link=fast).communication or 0.0
+    return option.cost.compute + floor
 
 
 def option_mfu(option: Option, shape: Shape, finetuning: str) -> float:
@@ -556,10 +562,13 @@ def _ways_out(
             else tokens / max(rates)
         )
         gbps = needed_gbps(chosen, search.shape, link, memory.world, seconds)
+        fixed = fixed_step_s(chosen, search.shape, link, memory.world)
         ways.append(
             f"a faster link: at least {gbps:,.3g} Gbit/s for this plan"
             if gbps is not None
-            else "no faster link: this plan's compute alone is slower than fewer nodes"
+            else f"no faster link: at any bandwidth this plan's step takes {fixed:.3g} s (compute "
+            f"{chosen.cost.compute:.3g} s, the rest the link's latency and the per-step "
+            f"overhead), more than the {seconds:.3g} s at which {nnodes} nodes would pay"
         )
     return ways or ["none predicted to pay on this link"]
 
