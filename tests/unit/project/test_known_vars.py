@@ -45,7 +45,8 @@ def test_the_names_a_playbook_reads_are_found_in_templates_and_bare_conditions(t
     playbook.write_text(json.dumps([{"hosts": "all", "tasks": [task]}]))
     assert document_names(playbook) == {"fresh_flag", "other"}
     # A playbook being run may read its own: they are known for that run.
-    assert unknown_vars(["fresh_flag", "stale_flag"], [playbook]) == unknown_vars(["stale_flag"])
+    given = {"extra_vars": ["fresh_flag", "stale_flag"], "playbooks": [str(playbook)]}
+    assert unknown_vars(given) == unknown_vars({"extra_vars": ["stale_flag"]})
     # What users pass most, and what the Python reads from a host's variables, are known.
     names = set(json.loads(NAMES_FILE.read_text())["names"])
     for name in ("model", "dataset", "train_args", "resume", "run_id", "max_restarts", "detach"):
@@ -65,13 +66,14 @@ def test_the_names_a_playbook_reads_are_found_in_templates_and_bare_conditions(t
     ],
 )
 def test_an_unknown_name_gets_the_closest_known_one(name: str, hint: str):
-    (problem,) = unknown_vars([name])
+    (problem,) = unknown_vars({"extra_vars": [name]})
     assert problem.startswith(f"-e {name}: nothing in this project reads a variable of that name")
     assert hint in problem
 
 
 def test_known_names_and_ansibles_own_pass():
-    assert unknown_vars(["model", "train_args", "ansible_python_interpreter"]) == []
+    given = ["model", "train_args", "ansible_python_interpreter"]
+    assert unknown_vars({"extra_vars": given, "playbooks": ["train.yml"]}) == []
 
 
 def test_train_refuses_the_issues_unread_names_before_any_node(tmp_path: Path):

@@ -237,6 +237,26 @@ def source_problems(sources: list[str]) -> list[str]:
     ]
 
 
+def become_problems(nodes: list[str], hostvars: Mapping[str, Any]) -> list[str]:
+    """One problem naming the nodes Ansible reaches as an account other than root without
+    becoming root there (ansible_user set, ansible_become not true, no --become): every
+    playbook needs root on the nodes, and each failed later on a message of its own."""
+    found: dict[str, list[str]] = {}
+    for host in nodes:
+        user = _lookup(hostvars, host, "ansible_user")
+        become = _lookup(hostvars, host, "ansible_become")
+        if user in (MISSING, None, "", "root") or str(become).lower() in ("true", "yes", "1"):
+            continue
+        found.setdefault(str(user), []).append(host)
+    return [
+        f"{', '.join(hosts)}: Ansible logs in as {user} (ansible_user), not root, and is not told "
+        "to become root there: provision.yml, llama-job and a run's files need root on every "
+        "node. Set ansible_become=true for the cluster ([all:vars] or [cluster:vars] in an INI "
+        f"inventory; {user} needs sudo), or run with --become."
+        for user, hosts in found.items()
+    ]
+
+
 def name_problems(nodes: list[str]) -> list[str]:
     """A problem for each node whose inventory name llama-job refuses (spec.py's NAME_RE): the
     name is in every node's unit, log, env and state file of a run, so a name the rule refuses
@@ -521,14 +541,18 @@ def inventory_report(
     hostvars: Mapping[str, Any],
     uniform: list[str] | None = None,
     compare_facts: bool = False,
+    *,
     sources: list[str] | None = None,
+    become: bool | None = None,
 ) -> dict[str, Any]:
     """Check the inventory: its sources (-i paths that exist), its groups, the settings in
     `uniform` that every node must share, every node's name, numbers (HOST_SETTINGS) and
     environment, and hosts that are one machine (by their facts too with `compare_facts`: only
     facts just read, as train.yml's node play does; a cached fact may predate a fix of the
-    inventory). Returns the nodes, the problems (empty when the inventory is fine) and a message
-    that lists them with what was expected and found."""
+    inventory), and (`become` False: the command line has no --become) nodes reached as another
+    account than root that are not told to become root. Returns the nodes, the problems (empty
+    when the inventory is fine) and a message that lists them with what was expected and
+    found."""
     missing = source_problems(list(sources or []))
     if missing:  # the inventory's other problems would follow from it (no nodes)
         return {"nodes": [], "problems": missing, "message": "\n".join(f"- {p}" for p in missing)}
@@ -537,6 +561,7 @@ def inventory_report(
     hostvars = {host: hostvars[host] for host in nodes}
     groups = cluster_groups(groups, hostvars)
     problems = _group_problems(groups) + name_problems(nodes)
+    problems += become_problems(nodes, hostvars) if become is False else []
     settings: dict[str, dict[str, Any]] = {}
     for host in nodes:
         settings[host], host_problems = _host_settings(host, hostvars)

@@ -12,9 +12,10 @@ from __future__ import annotations
 import difflib
 import json
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import yaml
 from jinja2 import Environment, meta
@@ -123,12 +124,14 @@ def _hint(name: str, known: Iterable[str]) -> str:
     return "The variables users set: README.md, 'Variables users change most'."
 
 
-def unknown_vars(names: Iterable[str], playbooks: Iterable[Path] = ()) -> list[str]:
-    """A problem for each extra variable that neither the project nor the `playbooks` being run
-    read (Ansible's own ansible_* names pass), each with the closest known name, or the
-    training argument it is."""
+def unknown_vars(command: Mapping[str, Any]) -> list[str]:
+    """A problem for each extra variable of the command line (lookup command_line: its
+    `extra_vars` and `playbooks`) that neither the project nor the playbooks being run read
+    (Ansible's own ansible_* names pass), each with the closest known name, or the training
+    argument it is."""
+    names = command.get("extra_vars") or []
     known = set(known_names())
-    for playbook in playbooks:
+    for playbook in map(Path, command.get("playbooks") or []):
         try:
             known |= document_names(playbook)
         except (OSError, yaml.YAMLError):
