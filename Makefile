@@ -2,6 +2,8 @@
 SHELL := /bin/bash
 VENV := .venv/bin
 NODES ?= 2
+# Training processes per lab node (the lab's default, 2, when empty).
+NPROC ?=
 # The lab's name: its containers, network and Docker labels derive from it.
 LAB_NAME ?= llama-lab
 # Tools that tests and scripts start by name (ansible-playbook, ansible-config, molecule) come
@@ -25,8 +27,9 @@ test-env: setup       ## the node wheelhouse (CPU build) and a controller venv w
 	  -e wheelhouse_python=$$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 	scripts/setup-train-venv.sh
 
-lab: host setup       ## start the local lab cluster (NODES=2)
-	$(VENV)/ansible-playbook playbooks/lab.yml -e lab_nodes=$(NODES) -e lab_cluster_name=$(LAB_NAME)
+lab: host setup       ## start the local lab cluster (NODES=2, NPROC=2)
+	$(VENV)/ansible-playbook playbooks/lab.yml -e lab_nodes=$(NODES) -e lab_cluster_name=$(LAB_NAME) \
+	  $(if $(NPROC),-e lab_nproc=$(NPROC))
 
 lab-down: setup       ## remove the lab's containers and network
 	$(VENV)/ansible-playbook playbooks/lab.yml -e lab_state=absent -e lab_cluster_name=$(LAB_NAME)
@@ -38,7 +41,7 @@ train: setup
 	$(VENV)/ansible-playbook train.yml -e model=tiny
 
 demo: host            ## set up, start the lab, provision it, train the tiny model on 2 nodes (timed)
-	@NODES=$(NODES) LAB_NAME=$(LAB_NAME) scripts/demo.sh
+	@NODES=$(NODES) NPROC=$(NPROC) LAB_NAME=$(LAB_NAME) scripts/demo.sh
 
 # Code that runs on the nodes must run on Python 3.10 (Ubuntu 22.04's python3): the collection's
 # modules and module_utils, and every Python file the roles run or install there

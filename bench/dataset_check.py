@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Time and peak memory of the dataset check (the llama_dataset_check module) on a large file.
+"""Time and peak memory of the dataset check (module_utils/dataset_check.py) on a large file.
 
 Writes a sharegpt file of about --gib GiB (a JSON list, or JSON Lines with --jsonl), with one bad
 record in 100,000, then checks it in a child process, as the Ansible module runs, and prints the
@@ -25,8 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = """
 import json, sys, time
-sys.path.insert(0, sys.argv[1])
-from library import llama_dataset_check as check
+sys.path.insert(0, sys.argv[1] + "/collections")
+from ansible_collections.llama.cluster.plugins.module_utils import dataset_check as check
 spec = check.build_spec("sharegpt")
 started = time.monotonic()
 report = check.check_file(sys.argv[2], spec)

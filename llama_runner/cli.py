@@ -350,7 +350,9 @@ def _assignments(pair: str) -> list[tuple[str, Any]]:
         try:
             loaded = yaml.safe_load(pair)
         except yaml.YAMLError as err:
-            raise InvalidInput(f"-e {pair!r} is not a YAML or JSON mapping: {err}") from None
+            raise InvalidInput(
+                f"-e {pair!r} is not a YAML or JSON mapping: {_yaml_problem(err)}"
+            ) from None
         if not isinstance(loaded, dict) or not all(
             isinstance(k, str) and k.isidentifier() for k in loaded
         ):
@@ -361,7 +363,23 @@ def _assignments(pair: str) -> list[tuple[str, Any]]:
         raise InvalidInput(
             f"expected KEY=VALUE or a mapping such as '{{\"key\": 1}}', got {pair!r}"
         )
-    return [(key, yaml.safe_load(raw) if raw else "")]
+    try:
+        return [(key, yaml.safe_load(raw) if raw else "")]
+    except yaml.YAMLError as err:
+        flow = raw.lstrip().startswith(("{", "["))
+        why = "; YAML reads a value that starts with { or [ as a mapping or a list" if flow else ""
+        raise InvalidInput(
+            f"-e {key}=...: the value {raw!r} is not YAML ({_yaml_problem(err)}{why}); to "
+            f"pass it as text, quote it: -e '{key}=\"...\"'"
+        ) from None
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """A YAML error in one line: what is wrong and at which column of the value."""
+    if isinstance(err, yaml.MarkedYAMLError) and err.problem:
+        mark = err.problem_mark
+        return f"{err.problem} at column {mark.column + 1}" if mark else err.problem
+    return str(err).splitlines()[0]
 
 
 def _refuse_secret(key: str, value: object) -> None:
@@ -467,12 +485,11 @@ def build_parser() -> argparse.ArgumentParser:
     scaling = sub.add_parser(
         "scaling", parents=[extra], help="train the plan on every node, then on one: tokens/s"
     )
-    scaling.add_argument("--model", required=True, help="catalogue name, e.g. tiny, qwen-7b")
+    scaling.add_argument("--model", help="catalogue name, e.g. tiny, qwen-7b")
     scaling.add_argument("--dataset")
     scaling.add_argument(
         "--steps",
         type=int,
-        default=DEFAULT_STEPS,
         help=f"steps of each run (default {DEFAULT_STEPS})",
     )
     sub.add_parser("status", parents=[run_id], help="where a run stands")
@@ -485,8 +502,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The variables a command also takes as a flag, and the type of each: `-e model=tiny` is
+# `--model tiny` (the API takes them as named arguments, never twice).
+FLAG_TYPES: Mapping[str, type] = {
+    "model": str, "dataset": str, "run_id": str, "resume": bool, "detach": bool, "nodes": int,
+    "steps": int,
+}  # fmt: skip
+TYPE_WORDS: Mapping[type, str] = {str: "text", bool: "true or false", int: "an integer"}
+
+
+def merge_flags(args: argparse.Namespace, extravars: dict[str, Any]) -> None:
+    """Move each -e that names one of the command's flags onto the flag: taken where the flag
+    was not given, accepted where it says the same, InvalidInput where the two disagree or the
+    value is not of the flag's type."""
+    for name in [n for n in extravars if n in FLAG_TYPES and hasattr(args, n)]:
+        value, flag = extravars.pop(name), "--" + name.replace("_", "-")
+        kind = FLAG_TYPES[name]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise InvalidInput(f"-e {name}={value!r}: {flag} takes {TYPE_WORDS[kind]}")
+        given = getattr(args, name)
+        if given not in (None, False) and given != value:
+            raise InvalidInput(
+                f"-e {name}={value!r} and {flag} {given!r} disagree: give the value once"
+            )
+        setattr(args, name, value)
+
+
 def _dispatch(cluster: Cluster, args: argparse.Namespace) -> RunResult | Scaling:
     extravars = _parse_assignments(getattr(args, "extravars", []))
+    merge_flags(args, extravars)
     extravars |= _read_secrets(getattr(args, "secrets", []), getattr(args, "secrets_files", []))
     calls: Mapping[str, Callable[[], RunResult | Scaling]] = {
         "lab": lambda: cluster.lab(nodes=args.nodes, state=args.state),
@@ -509,7 +553,12 @@ def _dispatch(cluster: Cluster, args: argparse.Namespace) -> RunResult | Scaling
             nodes=args.nodes,
             **extravars,
         ),
-        "scaling": lambda: cluster.scaling(args.model, args.dataset, steps=args.steps, **extravars),
+        "scaling": lambda: cluster.scaling(
+            args.model,
+            args.dataset,
+            steps=DEFAULT_STEPS if args.steps is None else args.steps,
+            **extravars,
+        ),
         "status": lambda: cluster.status(args.run_id),
         "attach": lambda: cluster.attach(args.run_id),
         "stop": lambda: cluster.stop(args.run_id),

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 import testinfra
+import yaml
 from testinfra.host import Host
 
-from train_runner import Cluster
+from train_runner import DEFAULT_INVENTORY, Cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -286,3 +287,54 @@ def test_the_plan_is_for_the_host_memory_free_now_and_refuses_what_does_not_fit(
     assert refused.returncode != 0
     assert "The run does not fit the nodes' memory" in said
     assert "Nothing was changed on any node." in said
+
+
+SECOND_ADMIN = """
+- name: Make a second admin account on a node, as another server's image has
+  hosts: all
+  gather_facts: false
+  become: true
+  tasks:
+    - name: Create the account
+      ansible.builtin.user:
+        name: admin2
+        shell: /bin/bash
+    - name: Authorize the lab's key for it
+      ansible.builtin.copy:
+        src: /home/{user}/.ssh/authorized_keys
+        remote_src: true
+        dest: /home/admin2/.ssh/
+        owner: admin2
+        mode: "0600"
+        directory_mode: "0700"
+    - name: Let it become root
+      ansible.builtin.copy:
+        content: "admin2 ALL=(ALL) NOPASSWD: ALL\\n"
+        dest: /etc/sudoers.d/admin2
+        mode: "0440"
+"""
+
+
+@pytest.mark.lab
+def test_nodes_reached_as_different_admin_accounts_are_one_cluster(
+    provisioned: Cluster, lab_hosts: list[str], tmp_path: Path
+) -> None:
+    # Issue 48: a worker whose ansible_user differs from the master's. Each node is reached as
+    # its own account, and a task delegated to a node runs as that node's: the cluster check
+    # (versions, links, an all-reduce started by llama-job on every node) passes.
+    worker = lab_hosts[1]
+    inventory = yaml.safe_load(DEFAULT_INVENTORY.read_text())
+    admin = inventory["all"]["vars"]["ansible_user"]
+    playbook = tmp_path / "admin2.yml"
+    playbook.write_text(SECOND_ADMIN.replace("{user}", admin))
+    ansible("ansible-playbook", "-i", str(DEFAULT_INVENTORY), "-l", worker, str(playbook))
+    workers = inventory["all"]["children"]["cluster"]["children"]["workers"]["hosts"]
+    workers[worker]["ansible_user"] = "admin2"
+    mixed = tmp_path / "mixed.yml"
+    mixed.write_text(yaml.safe_dump(inventory))
+    checked = ansible("ansible-playbook", "-i", str(mixed), "playbooks/check.yml", check=False)
+    out = checked.stdout + checked.stderr
+    assert checked.returncode == 0, out[-3000:]
+    assert re.search(
+        rf"{re.escape(worker)}\s+: ok=\d+\s+changed=\d+\s+unreachable=0\s+failed=0", out
+    )

@@ -3,7 +3,8 @@
 Node-side cases (the controller-only ones are in tests/test_train_validation.py and
 tests/test_datasets.py): a node whose recorded torch differs, gpu_ids a node does not have, and
 resuming a run whose checkpoints are not on every node. One real run (the valid records of a
-dataset with bad ones, -e dataset_skip_invalid=true) makes the checkpoints the resume cases work on.
+dataset with bad ones, -e dataset_skip_invalid=true) makes the checkpoints the resume refusal
+works on; a resume that trains is test_train.py's, of its killed run.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import re
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 from scenario import NODES, ROOT, RUNS, _env, _inventory, _node, _run_id, _said
@@ -150,38 +150,3 @@ def test_resume_refuses_when_a_worker_lacks_the_checkpoint_and_says_what_to_do()
     ) in out, out[-3000:]
     _no_node_changed(out)
     assert {node: _node(node, f"ls -R {output}") for node in NODES} == listing
-
-
-def test_resume_continues_from_the_latest_checkpoint_that_every_node_has() -> None:
-    run_id = _run_or_skip()
-    output = f"{RUNS}/{run_id}/output"
-    # The worker's disk filled during the save of checkpoint-6: its trainer_state.json is empty
-    # (issue 40: the rule took it as complete, and every restart failed on it). Every node
-    # resumes from checkpoint-4; each sets its checkpoint-6 aside, saying why.
-    _node(NODES[1], f": > {output}/checkpoint-6/trainer_state.json")
-    before = _node(NODES[0], f"cat {output}/trainer_log.jsonl").splitlines()
-    rc, out = _play("-e", "resume=true", "-e", f"run_id={run_id}")
-    assert rc == 0, out[-5000:]
-    assert f"Resuming {run_id} from checkpoint-4, the latest checkpoint that every node holds" in (
-        out
-    ), out[-3000:]
-    # The master's llama-job agent picked it again as the job started (the code of an automatic
-    # restart): every node was told checkpoint-4, and set its checkpoint-6 aside.
-    for node in NODES:
-        log = _node(node, f"cat {RUNS}/{run_id}/logs/{node}.log")
-        assert "attempt 1 resumes from checkpoint-4" in log, f"{node}:\n{log[-3000:]}"
-    why = {
-        NODES[0]: "not on every node",
-        NODES[1]: "trainer_state.json is empty or does not parse (a save cut off, e.g. by a full "
-        "disk)",
-    }
-    for node, reason in why.items():
-        log = _node(node, f"cat {RUNS}/{run_id}/logs/{node}.log")
-        aside = f"set aside checkpoint-6 ({reason}) in {RUNS}/{run_id}/set-aside/resume-"
-        assert aside in log, log[-3000:]
-        assert "checkpoint-6" in _node(node, f"ls {RUNS}/{run_id}/set-aside/*")
-    lines = Path(ROOT / "runs" / run_id / "trainer_log.jsonl").read_text().splitlines()
-    resumed = [json.loads(x) for x in lines[len(before) :] if x.strip()]
-    assert [r["current_steps"] for r in resumed if "loss" in r] == [5, 6], resumed
-    for node in NODES:
-        assert "checkpoint-6" in _node(node, f"ls {output}"), f"{node} did not save step 6 again"

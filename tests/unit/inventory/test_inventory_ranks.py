@@ -141,10 +141,10 @@ def test_the_group_cluster_alone_makes_its_first_host_the_master(inventory, host
 
 
 def test_a_tutorial_ini_of_the_group_cluster_alone_passes_the_check(tmp_path: Path):
-    # As a tutorial writes it: addresses, a user and a key file, no [master] or [workers]. The
-    # check passes and the plays that follow see node1 as the master (they then find the nodes
-    # unreachable: they do not exist).
-    text = "[cluster]\nnode1\nnode2\n[cluster:vars]\nansible_user=ubuntu\n"
+    # As a tutorial writes it (and the README): addresses, a user who becomes root, no
+    # [master] or [workers]. The check passes and the plays that follow see node1 as the master
+    # (they then find the nodes unreachable: they do not exist).
+    text = "[cluster]\nnode1\nnode2\n[cluster:vars]\nansible_user=ubuntu\nansible_become=true\n"
     rc, out = run("playbooks/status.yml", ini(tmp_path, text))
     assert "does not describe a cluster" not in out, out[-3000:]
     assert "node1: master" in out, out[-3000:]

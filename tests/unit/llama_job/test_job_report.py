@@ -248,10 +248,11 @@ def test_status_lines_say_step_loss_eta_and_restarts():
     lines = job_status_lines(outcome)
     assert lines[0] == "Run r: running, step 12/70, loss 1.2346, ETA 0:01:00"
     assert "  node2 rank 1: running" in lines
-    assert any(
-        line.startswith("  restart to attempt 2 at 2026-12-01T10:00:00Z, after node2")
-        for line in lines
-    )
+    assert lines[-2:] == [
+        "  attempt 1: started at ?",
+        "  attempt 2: restarted at 2026-12-01T10:00:00Z from the beginning, after attempt 1 "
+        "ended at ? on node2: its command ended, exit status 1",
+    ]
 
 
 def test_status_and_failure_name_every_rank_of_a_node_that_runs_several():
@@ -352,7 +353,8 @@ def test_a_succeeded_run_says_its_steps_final_loss_time_and_restarts():
     assert lines[0] == "Run r: succeeded, step 90/90, final loss 1.2346, time 0:12:40"
     assert lines[1] == "  Restarts: 1 of 2 (node2 failed)"
     assert (
-        "  restart to attempt 2 at 2026-12-01T10:05:00Z, after node2: " + REASON["message"] in lines
+        "  attempt 2: restarted at 2026-12-01T10:05:00Z from the beginning, after attempt 1 ended "
+        "at ? on node2: " + REASON["message"] in lines
     )
     assert not any("resume" in line for line in lines)
 

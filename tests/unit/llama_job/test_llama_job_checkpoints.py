@@ -12,6 +12,7 @@ import struct
 from pathlib import Path
 
 import pytest
+from ansible_collections.llama.cluster.plugins.filter.job import job_status_lines
 from ansible_collections.llama.cluster.plugins.module_utils.llama_job import (
     checkpoints,
     protocol,
@@ -279,3 +280,42 @@ def test_a_restart_sets_a_half_written_checkpoint_aside_and_names_it(tmp_path: P
 
 # llama-job running a service: a job of one node (playbooks/serve.yml, playbooks/tensorboard.yml).
 #
+
+
+def test_a_resumed_run_shows_every_attempt_of_the_launches_before_it(tmp_path: Path):
+    # Issue 48: status.yml of a resumed run said nothing of the failure and the resume before
+    # it. Launch 1: the worker runs out of memory at step 3, is restarted once from
+    # checkpoint-20 and fails again; launch 2 (-e resume=true) continues from checkpoint-20
+    # and succeeds. Its state holds all three attempts, and status says when each began, from
+    # which checkpoint and why the one before ended.
+    out = _checkpoints(tmp_path, {"m": {10: True, 20: True}, "w": {10: True, 20: True}})
+    extra = {h: {"checkpoints_dir": str(d), "resume_argument": RESUME} for h, d in out.items()}
+    first = Pair(tmp_path, restarts=1, steps=8, worker_env={"OOM_AT": "3"}, spec_extra=extra)
+    try:
+        first.wait_ended(timeout=90)
+        assert first.state("m")["phase"] == "failed", first.logs()
+    finally:
+        first.close()
+    resumed = {h: {**e, "resume": True} for h, e in extra.items()}
+    second = Pair(tmp_path, steps=3, spec_extra=resumed)
+    try:
+        second.wait_ended(timeout=90)
+        state = second.state("m")
+        assert state["phase"] == "succeeded", second.logs()
+    finally:
+        second.close()
+    assert state["attempt"] == 3
+    assert state["restarts"] == []  # this launch's own: a resume is no restart
+    history = [protocol.Restart.from_dict(item) for item in state["history"]]
+    assert [(r.attempt, r.checkpoint, r.resumed) for r in history] == [
+        (1, None, False),
+        (2, "checkpoint-20", False),
+        (3, "checkpoint-20", True),
+    ]
+    assert [(r.after.node, r.after.attempt) for r in history[1:]] == [("w", 1), ("w", 2)]
+    assert all("ran out of GPU memory" in r.after.message for r in history[1:])
+    lines = job_status_lines({"job": "t", "phase": "succeeded", "history": state["history"]})
+    assert lines[1] == f"  attempt 1: started at {history[0].at}"
+    assert lines[2].startswith("  attempt 2: restarted at ")
+    assert lines[3].startswith(f"  attempt 3: resumed (-e resume=true) at {history[2].at} from ")
+    assert f"from checkpoint-20, after attempt 2 ended at {history[2].after.at} on w: " in lines[3]

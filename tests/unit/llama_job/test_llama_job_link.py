@@ -40,6 +40,9 @@ ISSUE_PROBES = {
     "5,000 [": b"[" * 5000 + b"\n",
     "a 40-byte frame, its mac not ASCII": b'{"seq": 1, "body": "{}", "mac": "\xc3\xa9\xc3\xa9"}\n',
     "a lone surrogate in the body": b'{"seq": 1, "body": "\\ud800", "mac": "00"}\n',
+    # The frame of llama-job before issue 40: the one shape named as such (issue 48: any JSON
+    # was, an attacker's too).
+    "an older llama-job's frame": b'{"seq": 1, "body": "{}", "mac": "%s"}\n' % (b"0" * 64),
 }
 
 # The master's agent, over the whole attack (measured on the 2-core CI machine: see the
@@ -277,9 +280,10 @@ class FakeMaster:
         (b"guess", None, "bad mac"),
         (KEY, None, "no welcome"),
         (KEY, ISSUE_PROBES["5,000 ["], "not a frame"),
-        (KEY, ISSUE_PROBES["a lone surrogate in the body"], "a frame of an older llama-job"),
+        (KEY, ISSUE_PROBES["a lone surrogate in the body"], "not a frame"),
+        (KEY, ISSUE_PROBES["an older llama-job's frame"], "a frame of an older llama-job"),
     ],
-    ids=["another key", "a replayed welcome", "5,000 [", "a lone surrogate"],
+    ids=["another key", "a replayed welcome", "5,000 [", "a lone surrogate", "an older frame"],
 )
 def test_a_worker_refuses_a_watchdog_that_is_not_its_master(
     tmp_path: Path, key: bytes, challenge: bytes | None, why: str

@@ -107,7 +107,12 @@ OLD_FRAMES = st.fixed_dictionaries(
         "body": st.one_of(SURROGATE_TEXT, st.just("\ud800"), st.integers()),
         "mac": st.one_of(SURROGATE_TEXT, st.just("\u00e9"), st.binary().map(bytes.hex)),
     }
-).map(_old_frame)
+).map(_old_frame) | st.builds(  # the older llama-job's own frames
+    lambda seq, body, mac: json.dumps({"seq": seq, "body": body, "mac": mac}).encode() + b"\n",
+    st.integers(0, 10**6),
+    st.text(max_size=40),
+    st.binary(min_size=32, max_size=32).map(bytes.hex),
+)
 WIRE_SEQ = st.one_of(st.integers(0, 10**18).map(lambda n: b"%d" % n), st.binary(max_size=20))
 # Bodies a peer holding the key could seal: deep, badly encoded, not an object, not a message.
 BODIES = st.one_of(

@@ -12,6 +12,7 @@ looser bound that says how far contention moved them.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -431,6 +432,17 @@ def test_a_cpu_lab_planned_as_4090s_is_refused_by_the_go_no_go_saying_it_is_emul
     ), message
     assert "fewer nodes: 1 (python train_runner.py train --model tiny --nodes 1" in message
     assert '-e \'{"train_args": {"gradient_accumulation_steps": 4}}\'' in message
+    # Issue 48: "this plan's compute alone is slower than fewer nodes", while its own figures
+    # gave the compute a third of the step: what no bandwidth shortens is named with its figures.
+    assert "compute alone" not in message
+    found = re.search(
+        r"no faster link: at any bandwidth this plan's step takes ([\d.]+) s \(compute ([\d.]+) "
+        r"s, the rest the link's latency and the per-step overhead\), more than the ([\d.]+) s",
+        message,
+    )
+    assert found, message
+    fixed, compute, budget = map(float, found.groups())
+    assert compute < budget < fixed
 
 
 def test_each_way_out_of_the_emulated_refusal_passes_and_the_run_stays_a_cpu_run() -> None:

@@ -1,5 +1,6 @@
 """Disk is a budget too (issue 21): the plan keeps a bounded number of checkpoints, estimates
-their size on every node (planner/disk.py) and refuses a node whose runs directory lacks the space.
+their size on every node (planner/disk.py) and refuses a node whose runs directory lacks the space;
+and a run beyond any real run's size is refused before launch (issue 48).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from ansible_collections.llama.cluster.plugins.module_utils.planner.disk import 
     log_bytes,
     lora_params,
 )
+from ansible_collections.llama.cluster.plugins.module_utils.planner.errors import PlanError
 from ansible_collections.llama.cluster.plugins.module_utils.planner.memory import GIB
 
 from tests.support.planning import QWEN25_7B_CONFIG, SETTINGS, make_plan, nodes
@@ -161,3 +163,33 @@ def test_the_filter_is_the_planners_check(free: int) -> None:
     assert check(plan.to_dict(), {"n0": free}, RUNS, "64", "3") == disk_budget(
         plan.to_dict(), {"n0": free}, RUNS, log_bytes(64, 3)
     )
+
+
+# ---- absurd sizes are refused before launch, with the predicted time (issue 48) -----------------
+def test_a_run_of_a_million_years_is_refused_with_its_steps_and_predicted_time() -> None:
+    # train_args.num_train_epochs: 1e12 was launched: 4,000,000,000,000 steps, no warning.
+    with pytest.raises(PlanError) as refused:
+        make_plan(train_args={"num_train_epochs": 1e12}, dataset_records=1000)
+    said = str(refused.value)
+    assert said.startswith("Refused before launch: 63,000,000,000,000 optimizer steps, ")
+    assert "predicted to take 1,409,262 years at 0.705 s a step" in said
+    assert "beyond any real run (the bounds: a year, 1,000,000,000 steps" in said
+    assert "Check num_train_epochs, max_steps and save_steps (train_args)" in said
+
+
+def test_a_run_whose_checkpoints_are_beyond_the_bound_is_refused() -> None:
+    with pytest.raises(PlanError, match=r"2,000,000 checkpoints written: beyond any real run"):
+        make_plan(train_args={"max_steps": 2_000_000, "save_steps": 1})
+
+
+def test_a_cluster_without_a_predicted_step_time_is_bounded_at_its_floor() -> None:
+    cpu = nodes(2, accelerator="cpu")
+    with pytest.raises(PlanError, match=r"at least 2,220 years even at 0\.01 s a step"):
+        make_plan("tiny", cluster=cpu, train_args={"num_train_epochs": 1e12}, dataset_records=28)
+    assert make_plan("tiny", cluster=cpu, train_args={"num_train_epochs": 1e5}, dataset_records=28)
+
+
+def test_a_long_real_run_passes() -> None:
+    # A month of a 7B full fine-tune's steps: long, not absurd.
+    plan = make_plan(train_args={"max_steps": 3_000_000, "save_steps": 5000})
+    assert plan["decisions"]["estimated_steps"] == "3000000"

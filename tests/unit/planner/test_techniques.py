@@ -199,3 +199,22 @@ def test_a_cpu_run_that_does_not_fit_the_host_memory_free_now_is_refused() -> No
     with pytest.raises(PlanError, match="The run does not fit the nodes' memory") as refused:
         make_plan("tiny", cluster=cluster)
     assert "n0 (available now (MemAvailable)) has 0.4 GiB to give" in str(refused.value)
+
+
+@pytest.mark.parametrize(("finetuning", "lora_offered"), [("lora", False), ("full", True)])
+def test_too_many_processes_per_node_are_refused_naming_the_count_that_fits(
+    finetuning: str, lora_offered: bool
+) -> None:
+    # Issue 48: nproc_per_node=1000 on a LoRA run was told to try LoRA. The way out is the
+    # number of processes the node's memory holds; LoRA only for a full fine-tune it would fit.
+    cluster = nodes(2, nproc=1000 if finetuning == "lora" else 2, accelerator="cpu")
+    for node in cluster:
+        node.update(host_memory_gib=15.0 if finetuning == "lora" else 8.0, host_memory_source="x")
+    with pytest.raises(PlanError) as refused:
+        make_plan("qwen2.5-0.5b", cluster=cluster, finetuning_type=finetuning)
+    said = str(refused.value)
+    assert "train fewer processes per node" in said or "-e nproc_per_node=" in said
+    if finetuning == "lora":
+        assert "its 1000 training processes per node" in said
+        assert "train 4 processes per node (-e nproc_per_node=4 fits)" in said
+    assert ("LoRA (-e finetuning_type=lora)" in said) is lora_offered

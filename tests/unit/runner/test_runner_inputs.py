@@ -148,3 +148,58 @@ def test_cli_train_with_a_template_in_the_dataset_runs_nothing_and_names_the_dat
     assert shown.returncode == EXIT_INVALID_INPUT, said[-3000:]
     assert not marker.exists()
     assert "Unknown dataset {{ lookup('pipe'" in said
+
+
+# --------------------------------------------------------------------------------------------
+# The command line's -e: no traceback for what a user types (issue 48)
+# --------------------------------------------------------------------------------------------
+def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    from llama_runner.cli import main  # noqa: PLC0415 - rich, only for these tests
+
+    code = main(argv)
+    return code, " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (
+            ["train", "-e", "dataset={{ x }}"],
+            "-e dataset=...: the value '{{ x }}' is not YAML (found unhashable key at column 2; "
+            "YAML reads a value that starts with { or [ as a mapping or a list); to pass it as "
+            "text, quote it",
+        ),
+        (["train", "-e", "x=[1,"], "-e x=...: the value '[1,' is not YAML ("),
+        (["train", "-e", '{"a": [}'], "is not a YAML or JSON mapping: expected the node content"),
+        (["train", "--model", "a", "-e", "model=b"], "-e model='b' and --model 'a' disagree"),
+        (["plan", "-e", "resume=1"], "-e resume=1: --resume takes true or false"),
+        (["scaling", "-e", "steps=many"], "-e steps='many': --steps takes an integer"),
+        (["train", "-e", "nodes=true"], "-e nodes=True: --nodes takes an integer"),
+    ],
+)
+def test_cli_refuses_an_unreadable_or_contradicting_e_naming_the_value_without_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], said: str
+):
+    code, shown = _cli(["-i", str(tmp_path / "none.yml"), *argv], capsys)
+    assert code == EXIT_INVALID_INPUT, shown
+    assert said in shown
+    assert "Traceback" not in shown
+
+
+def test_cli_takes_an_e_that_names_a_flag_as_the_flag(tmp_path: Path, test_net_inventory: Path):
+    # `train -e model=... -e run_id=...` crashed with "got multiple values"; now -e model is
+    # --model (the refusal names the model asked for), and -e run_id that agrees with
+    # --run-id is taken once.
+    shown = subprocess.run(
+        [
+            sys.executable, str(PROJECT_DIR / "train_runner.py"),
+            "--private-data-dir", str(tmp_path / "runner"), "-i", str(test_net_inventory),
+            "train", "-e", "model=no-such-model", "-e", "detach=false",
+            "-e", f"controller_runs_dir={tmp_path / 'runs'}",
+        ],
+        cwd=PROJECT_DIR, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    said = " ".join((shown.stdout + shown.stderr).split())
+    assert shown.returncode == EXIT_INVALID_INPUT, said[-3000:]
+    assert "Traceback" not in said
+    assert 'Unknown model "no-such-model"' in said

@@ -623,7 +623,13 @@ class ActionModule(ActionBase):
                 task_vars=self._vars,
             )
             if check.get("failed"):
-                raise Refused(check.get("msg") or f"Dataset {entry['name']}: the check failed.")
+                # A module that died says why only in its stderr's last line.
+                died = (check.get("module_stderr") or "").strip().splitlines()[-1:]
+                raise Refused(
+                    f"Dataset {entry['name']}: the check failed: {died[0]}"
+                    if died
+                    else check.get("msg") or f"Dataset {entry['name']}: the check failed."
+                )
             self._changed |= bool(check.get("changed"))
             if check["invalid"]:
                 notes.append(check["msg"])

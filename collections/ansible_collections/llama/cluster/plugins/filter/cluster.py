@@ -1,7 +1,7 @@
 """Jinja filters that check the inventory and derive the cluster's topology from it: the rules
 are module_utils/inventory.py (inventory_report, cluster_groups, cluster_ranks, node_nproc,
 global_ranks, and environment_problems, which the inventory check, the job and the service roles
-share)."""
+share), and unknown_vars (module_utils/known_vars.py: an extra variable that nothing reads)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from ansible_collections.llama.cluster.plugins.module_utils.inventory import (
     inventory_report,
     node_nproc,
 )
+from ansible_collections.llama.cluster.plugins.module_utils.known_vars import unknown_vars
 
 __all__ = [
     "HOST_SETTINGS",
@@ -26,6 +27,7 @@ __all__ = [
     "global_ranks",
     "inventory_report",
     "node_nproc",
+    "unknown_vars",
 ]
 
 
@@ -41,4 +43,5 @@ class FilterModule:
             "global_ranks": global_ranks,
             "node_nproc": node_nproc,
             "environment_problems": environment_problems,
+            "unknown_vars": unknown_vars,
         }

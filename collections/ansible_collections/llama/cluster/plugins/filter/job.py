@@ -19,6 +19,7 @@ from ansible_collections.llama.cluster.plugins.module_utils.llama_job.protocol i
     JobStatus,
     Phase,
     RankStatus,
+    Restart,
     Resume,
     RunSummary,
     describe_exit,
@@ -273,6 +274,30 @@ def _status_head(status: JobStatus, figures: str) -> str:
     return head
 
 
+def _attempt_lines(status: JobStatus) -> list[str]:
+    """Every attempt of a run of several (a restart's, or a resume's by hand): when it began,
+    from which checkpoint, and when and why the one before it ended."""
+    first = [] if status.history or not status.restarts else [Restart(1, status.started)]
+    lines = []
+    for item in [*status.history, *first, *status.restarts]:
+        how = "resumed (-e resume=true)" if item.resumed else "restarted"
+        if item.attempt == 1 and not item.resumed:
+            lines.append(f"  attempt 1: started at {item.at or '?'}")
+            continue
+        after = item.after
+        ended = (
+            f", after attempt {item.attempt - 1} ended at {after.at or '?'} on {after.node}: "
+            f"{after.message}"
+            if after
+            else ""
+        )
+        lines.append(
+            f"  attempt {item.attempt}: {how} at {item.at or '?'} from "
+            f"{item.checkpoint or 'the beginning'}{ended}"
+        )
+    return lines
+
+
 def job_status_lines(data: Mapping[str, Any]) -> list[str]:
     """status.yml's report of one run; an ended run's figures come from its summary
     (job_run_summary)."""
@@ -291,12 +316,7 @@ def job_status_lines(data: Mapping[str, Any]) -> list[str]:
             else host + (f" rank {node.rank}" if node.rank is not None else "")
         )
         lines.append(f"  {where}: {said}{left}")
-    for item in status.restarts:
-        after = item.after
-        lines.append(
-            f"  restart to attempt {item.attempt} at {item.at}, after "
-            f"{after.node if after else '?'}: {after.message if after else '?'}"
-        )
+    lines += _attempt_lines(status)
     if status.phase is Phase.FAILED and status.reason is not None:
         lines.extend(f"  | {line}" for line in status.reason.errors[:6])
     return lines

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import re
+import unicodedata
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from ansible.errors import AnsibleFilterError, AnsibleUndefinedVariable
 from jinja2 import Undefined
+
+from .llama_job.spec import NAME_RE, NAME_RULE
 
 # The inventory's shape, as every playbook expects it.
 EXPECTED = (
@@ -218,6 +222,57 @@ def environment_problems(environment: object, where: str) -> list[str]:
                 f"{where}.{name} holds a line break (or a NUL): a variable's value is one line, "
                 'which every node\'s env file writes as NAME="value".'
             )
+    return problems
+
+
+def source_problems(sources: list[str]) -> list[str]:
+    """A problem for each inventory source (-i) that names no file or directory: Ansible only
+    warns, and goes on with no hosts. A source with a comma is a list of hosts, not a path."""
+    return [
+        f"The inventory {source} does not exist (-i {source}): give the path of your inventory "
+        "file or folder (e.g. -i inventory/mycluster), or leave -i out for the lab's "
+        "inventory/lab.yml."
+        for source in sources
+        if "," not in source and not os.path.exists(source)
+    ]
+
+
+def become_problems(nodes: list[str], hostvars: Mapping[str, Any]) -> list[str]:
+    """One problem naming the nodes Ansible reaches as an account other than root without
+    becoming root there (ansible_user set, ansible_become not true, no --become): every
+    playbook needs root on the nodes, and each failed later on a message of its own."""
+    found: dict[str, list[str]] = {}
+    for host in nodes:
+        user = _lookup(hostvars, host, "ansible_user")
+        become = _lookup(hostvars, host, "ansible_become")
+        if user in (MISSING, None, "", "root") or str(become).lower() in ("true", "yes", "1"):
+            continue
+        found.setdefault(str(user), []).append(host)
+    return [
+        f"{', '.join(hosts)}: Ansible logs in as {user} (ansible_user), not root, and is not told "
+        "to become root there: provision.yml, llama-job and a run's files need root on every "
+        "node. Set ansible_become=true for the cluster ([all:vars] or [cluster:vars] in an INI "
+        f"inventory; {user} needs sudo), or run with --become."
+        for user, hosts in found.items()
+    ]
+
+
+def name_problems(nodes: list[str]) -> list[str]:
+    """A problem for each node whose inventory name llama-job refuses (spec.py's NAME_RE): the
+    name is in every node's unit, log, env and state file of a run, so a name the rule refuses
+    would stop the run at launch, after its files were written on every node."""
+    problems = []
+    for host in nodes:
+        if NAME_RE.match(host):
+            continue
+        plain = unicodedata.normalize("NFKD", host).encode("ascii", "ignore").decode()
+        hint = re.sub(r"-+", "-", re.sub(r"[^A-Za-z0-9._-]", "-", plain)).strip("-._")[:128]
+        problems.append(
+            f"The host name {_show(host, 140)} cannot name a node's run files and units: a "
+            f"host name must be {NAME_RULE} characters. Rename the host in the inventory"
+            + (f" (e.g. {hint})" if hint else "")
+            + "; where Ansible reaches it stays in ansible_host."
+        )
     return problems
 
 
@@ -486,17 +541,27 @@ def inventory_report(
     hostvars: Mapping[str, Any],
     uniform: list[str] | None = None,
     compare_facts: bool = False,
+    *,
+    sources: list[str] | None = None,
+    become: bool | None = None,
 ) -> dict[str, Any]:
-    """Check the inventory: its groups, the settings in `uniform` that every node must share,
-    every node's numbers (HOST_SETTINGS) and environment, and hosts that are one machine (by
-    their facts too with `compare_facts`: only facts just read, as train.yml's node play does; a
-    cached fact may predate a fix of the inventory). Returns the nodes, the problems (empty when
-    the inventory is fine) and a message that lists them with what was expected and found."""
+    """Check the inventory: its sources (-i paths that exist), its groups, the settings in
+    `uniform` that every node must share, every node's name, numbers (HOST_SETTINGS) and
+    environment, and hosts that are one machine (by their facts too with `compare_facts`: only
+    facts just read, as train.yml's node play does; a cached fact may predate a fix of the
+    inventory), and (`become` False: the command line has no --become) nodes reached as another
+    account than root that are not told to become root. Returns the nodes, the problems (empty
+    when the inventory is fine) and a message that lists them with what was expected and
+    found."""
+    missing = source_problems(list(sources or []))
+    if missing:  # the inventory's other problems would follow from it (no nodes)
+        return {"nodes": [], "problems": missing, "message": "\n".join(f"- {p}" for p in missing)}
     nodes = cluster_nodes(groups)
     # Ansible computes a host's variables on every hostvars[host]: once per node is enough.
     hostvars = {host: hostvars[host] for host in nodes}
     groups = cluster_groups(groups, hostvars)
-    problems = _group_problems(groups)
+    problems = _group_problems(groups) + name_problems(nodes)
+    problems += become_problems(nodes, hostvars) if become is False else []
     settings: dict[str, dict[str, Any]] = {}
     for host in nodes:
         settings[host], host_problems = _host_settings(host, hostvars)

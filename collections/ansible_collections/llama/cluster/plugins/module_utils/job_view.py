@@ -96,6 +96,7 @@ def job_status(results: Mapping[str, object], master: str, job: str = "") -> Job
         attempt=lead.attempt if lead is not None else 1,
         max_restarts=lead.max_restarts if lead is not None else 0,
         restarts=lead.restarts if lead is not None else (),
+        history=lead.history if lead is not None else (),
         progress=dict(lead.progress) if lead is not None else {},
         started=lead.started if lead is not None else None,
         ended=lead.ended if lead is not None else None,

@@ -20,12 +20,13 @@ from .checkpoints import NAME, resume_argument, rotate, set_aside, set_aside_dir
 from .command import Command, Ended
 from .launchers import current_limits
 from .logs import read_env_file, rotate_log
+from .messages import check_state
 from .oom import describe_cause
 from .procs import become_subreaper
 from .protocol import Failure, FailureKind, Phase, Restart, describe_exit, iso
 from .saves import clear_marks, finished, marks_dir
 from .spec import JobSpec, Refused
-from .untrusted import read_untrusted, write_json
+from .untrusted import parse_json, read_untrusted, write_json
 from .whole import checkpoint_problem, markers_declared
 from .wire import VERSION
 
@@ -100,6 +101,32 @@ class NodeAgent:
         self.left_out: list[str] = []
         self.fewer_args: list[str] = []
         self.down = False  # the node shuts down: the agent leaves without an outcome
+        # A resumed run's earlier launches (their attempts, from the state file they left), and
+        # why the last of them ended: status shows every attempt of the run.
+        self.history: list[Restart] = []
+        self.earlier: Failure | None = None
+        if spec.resume:
+            self.carry_history()
+
+    def carry_history(self) -> None:
+        """Take the attempts of the launch before this one from its state file (this node's,
+        at the same path), before this launch writes its own; attempts count on from it. Read
+        as root reads it (bounded, typed: messages.check_state); one that is no state is none."""
+        text = read_untrusted(self.spec.state, (0, os.getuid()))
+        try:
+            before = check_state(parse_json(text)) if text else {}
+        except ValueError:  # messages.Malformed is one too
+            return
+        if before.get("job") != self.spec.job:
+            return
+        attempt = before.get("attempt")
+        first = [Restart(1, str(before.get("started") or "") or None)]
+        self.history = [
+            *([r for r in map(Restart.from_dict, before.get("history") or []) if r] or first),
+            *(r for r in map(Restart.from_dict, before.get("restarts") or []) if r),
+        ]
+        self.earlier = Failure.from_dict(before.get("reason"))
+        self.attempt = attempt if isinstance(attempt, int) and attempt > 0 else 1
 
     # -- plumbing -------------------------------------------------------------------------------
     def say(self, text: str) -> None:
@@ -142,6 +169,7 @@ class NodeAgent:
             "attempt": self.attempt,
             "max_restarts": self.spec.max_restarts,
             "restarts": [r.to_dict() for r in self.restarts],
+            "history": [r.to_dict() for r in self.history],
             "exit_status": self.command.exit_status,
             "reason": self.reason.to_dict() if self.reason else None,
             "progress": self.progress,

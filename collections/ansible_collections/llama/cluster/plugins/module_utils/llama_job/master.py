@@ -686,6 +686,12 @@ class MasterAgent(NodeAgent):
             self.say(
                 f"restart {len(self.restarts)} of {self.spec.max_restarts}: attempt {self.attempt}"
             )
+        elif resuming:  # attempts count on from the launch before (carry_history)
+            self.attempt += 1 if self.history else 0
+            now = iso(time.time())
+            self.history.append(
+                Restart(self.attempt, now, self.earlier, plan["checkpoint"], resumed=True)
+            )
         if self.left_out:
             self.say(
                 f"attempt {self.attempt} runs on {len(plan['nodes'])} of {self.spec.nnodes} nodes "

@@ -254,6 +254,18 @@ def check(body: Mapping[str, Any], *, from_master: bool) -> dict[str, Any]:
     return {**found, "t": kind}
 
 
+# One restart of the job (protocol.py's Restart), or an attempt of an earlier launch.
+RESTART = _record(
+    {
+        "attempt": ATTEMPT,
+        "at": _optional(_text(32)),
+        "after": _optional(FAILURE),
+        "checkpoint": _optional(_text(4096)),
+        "left_out": HOSTS,
+        "note": MESSAGE,
+        "resumed": _flag,
+    }
+)
 # An agent's state file (agent.py's write_state), as root reads it.
 STATE = _record(
     {
@@ -265,19 +277,9 @@ STATE = _record(
         "phase": PHASE,
         "attempt": ATTEMPT,
         "max_restarts": _integer(0, 1_000_000),
-        "restarts": _list(
-            _record(
-                {
-                    "attempt": ATTEMPT,
-                    "at": _optional(_text(32)),
-                    "after": _optional(FAILURE),
-                    "checkpoint": _optional(_text(4096)),
-                    "left_out": HOSTS,
-                    "note": MESSAGE,
-                }
-            ),
-            10_000,
-        ),
+        "restarts": _list(RESTART, 10_000),
+        # A resumed run's earlier launches' attempts (agent.py's carry_history).
+        "history": _list(RESTART, 10_000),
         "exit_status": EXIT_STATUS,
         "reason": _optional(FAILURE),
         "progress": _mapping(_scalar, 64),

@@ -270,7 +270,9 @@ class Failure:
 @dataclass(frozen=True)
 class Restart:
     """One restart of the whole job: the attempt it started, when, after which failure, and the
-    checkpoint every node continued from (None: from the beginning)."""
+    checkpoint every node continued from (None: from the beginning); `resumed`: asked by hand
+    (train.yml -e resume=true) after the launch before it ended, not one of max_restarts.
+    A launch's `history` starts with the run's first attempt (attempt 1, `after` None)."""
 
     attempt: int
     at: str | None = None
@@ -280,6 +282,7 @@ class Restart:
     # the run on the nodes that remained (the spec's fewer_nodes note).
     left_out: tuple[str, ...] = ()
     note: str = ""
+    resumed: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """Its JSON."""
@@ -297,6 +300,7 @@ class Restart:
             checkpoint=_text(data.get("checkpoint")),
             left_out=_strings(data.get("left_out")),
             note=str(data.get("note") or ""),
+            resumed=data.get("resumed") is True,
         )
 
 
@@ -333,6 +337,8 @@ class RankStatus:
     attempt: int = 1
     max_restarts: int = 0
     restarts: tuple[Restart, ...] = ()
+    # The attempts of the launches before this one (a resumed run's), and how this one began.
+    history: tuple[Restart, ...] = ()
     exit_status: int | None = None
     reason: Failure | None = None
     progress: Mapping[str, Any] = field(default_factory=dict)
@@ -370,6 +376,7 @@ class RankStatus:
             attempt=_int(data.get("attempt")) or 1,
             max_restarts=_int(data.get("max_restarts")) or 0,
             restarts=_restarts(data.get("restarts")),
+            history=_restarts(data.get("history")),
             exit_status=_int(data.get("exit_status")),
             reason=Failure.from_dict(data.get("reason")),
             progress=progress_record(data.get("progress")),
@@ -481,6 +488,7 @@ def rank_status(
         attempt=_int(state.get("attempt")) or 1,
         max_restarts=_int(state.get("max_restarts")) or 0,
         restarts=_restarts(state.get("restarts")),
+        history=_restarts(state.get("history")),
         exit_status=_int(state.get("exit_status")),
         reason=reason,
         progress=progress_record(state.get("progress")),
@@ -639,6 +647,7 @@ class JobStatus:
     attempt: int = 1
     max_restarts: int = 0
     restarts: tuple[Restart, ...] = ()
+    history: tuple[Restart, ...] = ()  # before this launch: a resumed run's earlier attempts
     progress: Mapping[str, Any] = field(default_factory=dict)  # rank 0's last trainer log record
     started: str | None = None
     ended: str | None = None
@@ -695,6 +704,7 @@ class JobStatus:
             attempt=_int(data.get("attempt")) or 1,
             max_restarts=_int(data.get("max_restarts")) or 0,
             restarts=_restarts(data.get("restarts")),
+            history=_restarts(data.get("history")),
             progress=progress_record(data.get("progress")),
             started=_text(data.get("started")),
             ended=_text(data.get("ended")),

@@ -16,6 +16,7 @@ from .logs import DEFAULT_ROTATE
 from .untrusted import read_untrusted
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+NAME_RULE = "letters, digits, '.', '_' or '-' (ASCII), a letter or digit first, at most 128"
 DEFAULT_TIMEOUTS = {
     "start": 300.0,  # the master's command must listen on the gate port and every peer join
     "heartbeat": 2.0,  # seconds between heartbeats
@@ -37,7 +38,7 @@ class Refused(Exception):
 def check_name(kind: str, value: object) -> str:
     """A job id or host name safe in a unit name and a file name."""
     if not isinstance(value, str) or not NAME_RE.match(value):
-        raise Refused(f"{kind} {value!r} must be letters, digits, '.', '_' or '-'")
+        raise Refused(f"{kind} {value!r} must be {NAME_RULE}")
     return value
 
 

@@ -78,6 +78,10 @@ def _finite(text: str) -> float:
 
 FRAME = re.compile(rb"(0|[1-9][0-9]{0,17}) ([0-9a-f]{64}) (\{.*\})\n?", re.DOTALL)
 JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+# The frame of llama-job before issue 40, as its seal wrote it: only that shape is named older.
+OLD_FRAME = re.compile(
+    rb'\{"seq": [0-9]{1,18}, "body": "(?:[^"\\]|\\.)*", "mac": "[0-9a-f]{64}"\}\n?', re.DOTALL
+)
 JSON_NESTING = re.compile(rb"[\[\]{}]")
 
 
@@ -115,11 +119,10 @@ def unseal(key: bytes, job: str, line: bytes, last_seq: int) -> tuple[int, dict[
         raise BadMessage(f"line of {len(line)} bytes (at most {MAX_LINE})")
     frame = FRAME.fullmatch(line)
     if frame is None:
-        older = line.startswith(b'{"')  # llama-job before issue 40 sent JSON frames
         raise BadMessage(
             "a frame of an older llama-job (run provision.yml on every node)"
-            if older
-            else "not a frame"
+            if OLD_FRAME.fullmatch(line)
+            else "not a frame (another program's bytes on the watchdog port, not llama-job's)"
         )
     number, mac, text = frame.groups()
     if not hmac.compare_digest(mac, _mac(key, job, number, text)):

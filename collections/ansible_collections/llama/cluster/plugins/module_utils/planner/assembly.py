@@ -46,7 +46,7 @@ from .plan import (
 )
 from .rules import apply_rules, check_rules
 from .schema import Settings, check_project_settings, check_request
-from .search import Cluster, Option, Search, Tries, assess, ranked
+from .search import Cluster, Option, Search, Tries, assess, check_size, ranked
 from .summary import summary
 from .techniques import (
     NUMERICS_EVIDENCE,
@@ -410,13 +410,20 @@ def _cpu_memory_refusal(memory: Memory, node: Mapping[str, Any] | None) -> str:
         if node
         else "the smallest node"
     )
+    fits = int((memory.host_budget or 0) // (memory.host_need(Stage.NONE) / memory.nproc))
+    ways = [
+        f"train {fits} process{'es' if fits > 1 else ''} per node (-e nproc_per_node={fits} fits)"
+        if fits
+        else "train fewer processes per node (not even one fits now)"
+    ]
+    if memory.finetuning == "full" and replace(memory, finetuning="lora").host_fits(Stage.NONE):
+        ways.append("LoRA (-e finetuning_type=lora)")
     return (
         f"The run does not fit the nodes' memory: its {memory.nproc} training processes per node "
-        f"need about {gib_text(memory.host_need(Stage.NONE))} (fp32 weights, gradients and "
-        f"AdamW states, and each process's own), and {where} has "
-        f"{gib_text(memory.host_budget)} to give. Free memory there, train fewer processes per "
-        "node (nproc_per_node), LoRA (-e finetuning_type=lora), or a smaller model. Nothing was "
-        "changed on any node."
+        f"need about {gib_text(memory.host_need(Stage.NONE))} (the weights, what the optimizer "
+        f"updates, and each process's own), and {where} has {gib_text(memory.host_budget)} to "
+        f"give. Free memory there, {', '.join(ways)}, or a smaller model. Nothing was changed "
+        "on any node."
     )
 
 
@@ -580,6 +587,7 @@ def _computed(context: Assembly) -> Assembly:
         "compile_why": "as set" if "torch_compile" in explicit else why,
     }
     args = {**defaults, **computed, **explicit}
+    check_size(args, steps, context.cost(batch) if context.cost is not None else None)
     return replace(context, args=args, batch=batch, why=whys, steps=steps)
 
 

@@ -159,7 +159,7 @@ def _embedding_terms(
     return [("the embedding's moments kept fp32", (8.0 - MOMENTS[optim]) * embedding / unit)]
 
 
-def _saves(args: Mapping[str, Any], steps: int | None) -> int | None:
+def saves_of(args: Mapping[str, Any], steps: int | None) -> int | None:
     """How many checkpoints the run writes (None: not known)."""
     strategy = str(args.get("save_strategy") or "steps")
     if strategy == "no":
@@ -208,7 +208,7 @@ def disk_estimate(
     limit = int(limit) if limit else None
     if limit and args.get("load_best_model_at_end"):
         limit = max(limit, 2)  # the best and the latest are both kept
-    saves = _saves(args, steps)
+    saves = saves_of(args, steps)
     peak = limit + 1 if limit else None
     count = min(x for x in (peak, saves) if x is not None) if (peak or saves is not None) else None
     checkpoint = round(per * unit) if unit else None

@@ -27,6 +27,7 @@ from typing import Any
 
 from .cost import Link, Setup, StepCost, mfu, step_cost
 from .decisions import Batch, BatchRequest, batch_options, hybrid_applies
+from .disk import saves_of
 from .errors import PlanError
 from .links import CHECK
 from .measured_memory import Shape
@@ -35,6 +36,11 @@ from .plan import Stage, search_order
 from .techniques import PLAIN, Technique
 
 MIN_EFFICIENCY = 0.6  # of linear scaling, below which train.yml refuses (issue 22)
+# Bounds beyond any real run (issue 48): refused before launch as a typo (num_train_epochs 1e12).
+MAX_RUN_S = 365 * 86400.0  # a year of training
+MAX_STEPS = 10**9  # over 115 days even at 10 ms a step
+MAX_SAVES = 10**6  # checkpoints written: over 11 days of saving even at a second each
+FLOOR_STEP_S = 0.01  # the step time assumed where none is predicted (CPU clusters, no shape)
 
 
 Tries = Mapping[Stage, tuple[Technique, ...]]
@@ -271,6 +277,35 @@ def scaling_line(scales: list[Scale]) -> str:
     return "; ".join(parts)
 
 
+def check_size(args: Mapping[str, Any], steps: int | None, step_s: float | None) -> None:
+    """PlanError where the run of training arguments `args` is beyond any real run (MAX_RUN_S,
+    MAX_STEPS, MAX_SAVES), with its predicted time: a typo's size (num_train_epochs 1e12) would
+    otherwise be launched."""
+
+    def span(seconds: float) -> str:  # 126,839 years, 40 days, 5.2 hours
+        for unit, size in (("years", 365 * 86400.0), ("days", 86400.0), ("hours", 3600.0)):
+            if seconds >= size:
+                return f"{seconds / size:,.{0 if seconds >= 10 * size else 1}f} {unit}"
+        return f"{seconds:,.0f} s"
+
+    saves = saves_of(args, steps)
+    seconds = (steps or 0) * (step_s or FLOOR_STEP_S)
+    if (steps or 0) <= MAX_STEPS and seconds <= MAX_RUN_S and (saves or 0) <= MAX_SAVES:
+        return
+    time = (
+        f"predicted to take {span(seconds)} at {step_s:.3g} s a step"
+        if step_s
+        else f"at least {span(seconds)} even at {FLOOR_STEP_S:g} s a step (none is predicted)"
+    )
+    found = [f"{steps:,} optimizer steps, {time}" if steps else ""]
+    found.append(f"{saves:,} checkpoints written" if saves else "")
+    raise PlanError(
+        f"Refused before launch: {'; '.join(f for f in found if f)}: beyond any real run (the "
+        f"bounds: a year, {MAX_STEPS:,} steps, {MAX_SAVES:,} checkpoints written). Check "
+        "num_train_epochs, max_steps and save_steps (train_args), or max_samples."
+    )
+
+
 def go_no_go(scales: list[Scale]) -> str | None:
     """Why the run's node count would not pay (slower than fewer nodes, or below
     MIN_EFFICIENCY of linear), or None when it does."""
@@ -297,12 +332,18 @@ def needed_gbps(
 ) -> float | None:
     """The link (Gbit/s) on which `option`'s step would take at most `seconds`, or None when
     its compute and the fixed costs (latency, the per-step overhead) alone take longer."""
-    fast = replace(link, bandwidth=1e18)
-    floor = step_cost(shape, option.setup, world=world, link=fast).communication or 0.0
-    budget = seconds - option.cost.compute - floor
+    budget = seconds - fixed_step_s(option, shape, link, world)
     if budget <= 0:
         return None
     return option.cost.traffic.wire_bytes / budget * 8 / 1e9
+
+
+def fixed_step_s(option: Option, shape: Shape, link: Link, world: int) -> float:
+    """`option`'s step on a link of any bandwidth: its compute, and the communication that no
+    bandwidth shortens (the link's latency, the per-step overhead)."""
+    fast = replace(link, bandwidth=1e18)
+    floor = step_cost(shape, option.setup, world=world, link=fast).communication or 0.0
+    return option.cost.compute + floor
 
 
 def option_mfu(option: Option, shape: Shape, finetuning: str) -> float:
@@ -509,10 +550,13 @@ def _faster_link(
         else chosen.cost.tokens * memory.world / max(rates)
     )
     gbps = needed_gbps(chosen, search.shape, cluster.link, memory.world, seconds)
+    fixed = fixed_step_s(chosen, search.shape, cluster.link, memory.world)
     return (
         f"a faster link: at least {gbps:,.3g} Gbit/s for this plan"
         if gbps is not None
-        else "no faster link: this plan's compute alone is slower than fewer nodes"
+        else f"no faster link: at any bandwidth this plan's step takes {fixed:.3g} s (compute "
+        f"{chosen.cost.compute:.3g} s, the rest the link's latency and the per-step "
+        f"overhead), more than the {seconds:.3g} s at which {nnodes} nodes would pay"
     )
 
 
