@@ -216,7 +216,7 @@ def test_a_node_lost_for_good_leaves_the_run_to_the_master_with_the_same_effecti
     restart = master_status(master, run_id)["restarts"][-1]
     assert restart["left_out"] == [worker], restart
     plan = json.loads(node(master, f"cat {RUNS}/{run_id}/plan.json").stdout)
-    assert f"effective batch {plan['effective_batch']} kept" in restart["note"], restart
+    assert f"effective batch {plan['batch']['effective']} kept" in restart["note"], restart
     started = _log(master).split("attempt 4: starting")[1].splitlines()[0]
     micro = plan["train_args"]["per_device_train_batch_size"]
     accumulation = plan["train_args"]["gradient_accumulation_steps"]

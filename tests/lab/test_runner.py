@@ -49,13 +49,6 @@ from tests.support.runner import cli  # noqa: E402
 # The lab: real nodes over SSH
 # --------------------------------------------------------------------------------------------
 @pytest.mark.lab
-def test_lab_provision_reports_every_node(provisioned: Cluster):
-    # The fixture asserted it; a second run must change nothing (idempotence through the API).
-    result = provisioned.provision()
-    assert all(s.changed == 0 for s in result.hosts.values()), result.hosts
-
-
-@pytest.mark.lab
 @needs_train
 def test_lab_scaling_trains_the_plan_on_every_node_then_on_the_master_alone(
     provisioned: Cluster,

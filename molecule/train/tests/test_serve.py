@@ -279,7 +279,7 @@ def test_the_merged_export_is_brought_back_and_served() -> None:
     assert done.returncode == 0, done.stdout[-5000:]
     assert f"Serving run {run_id}'s merged model" in _said(done.stdout)
     config = _node(NODES[0], "cat /opt/llama-cluster/services/serve-8000/api.yaml").stdout
-    assert f"model_name_or_path: {RUNS}/{run_id}/merged" in config
+    assert f'model_name_or_path: "{RUNS}/{run_id}/merged"' in config
     assert "adapter_name_or_path" not in config
     answer = _ask("controller")
     assert (answer["status"], answer["model"]) == (200, f"{run_id}-merged"), answer

@@ -332,7 +332,12 @@ def test_a_detached_run_heals_itself_from_the_common_checkpoint_and_attach_follo
     assert sorted(set(tail)) == list(range(checkpoint + 1, total + 1)), tail
     status = _playbook("playbooks/status.yml", "-e", f"run_id={run_id}")
     assert f"Run {run_id}: succeeded" in _said(status.stdout), status.stdout[-3000:]
-    assert "restart to attempt 2" in _said(status.stdout)
+    found = re.search(
+        rf"attempt 2: restarted at \S+ from checkpoint-{checkpoint}, after attempt 1 ended at \S+ "
+        rf"on {re.escape(WORKER)}: ",
+        _said(status.stdout),
+    )
+    assert found, _said(status.stdout)[-3000:]
     _assert_nothing_active()
 
 

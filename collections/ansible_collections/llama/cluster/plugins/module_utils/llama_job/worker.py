@@ -301,11 +301,17 @@ class WorkerAgent(NodeAgent):
         self.set_phase(Phase.IDLE)
 
     # -- clocks -------------------------------------------------------------------------------
+    def thawed(self, now: float) -> bool:
+        """Whether this node got no CPU time (frozen, suspended) since the last look: the master
+        has given up on it. Said once; the look's clock moves on."""
+        if now - self.last_tick <= self.t.peer:
+            return False
+        self.frozen, self.last_tick = now - self.last_tick, now
+        self.say(f"this node was frozen for {self.frozen:.0f} s")
+        return True
+
     def tick(self, now: float) -> None:
-        if now - self.last_tick > self.t.peer:
-            # This node got no CPU time (frozen, suspended): the master has given up on it.
-            self.frozen = now - self.last_tick
-            self.say(f"this node was frozen for {self.frozen:.0f} s")
+        if self.thawed(now):
             self.master_gone(f"this node was frozen for {self.frozen:.0f} s")
         self.last_tick = now
         if now - self.last_beat >= self.t.heartbeat:
@@ -362,7 +368,10 @@ class WorkerAgent(NodeAgent):
         self.leave(Phase.FAILED, reason)
 
     def master_gone(self, why: str) -> None:
-        """The master went silent or closed: end the command here, wait for it to come back."""
+        """The master went silent or closed: end the command here, wait for it to come back.
+        Where this node was frozen meanwhile (its connection's end read before the loop's clock),
+        the freeze is the reason."""
+        self.thawed(time.monotonic())
         if self.master_lost_at is None:
             self.master_lost_at = time.monotonic()
             self.say(f"lost the master {self.master_host}: {why}")
