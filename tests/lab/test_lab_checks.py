@@ -102,7 +102,9 @@ class Hold:
     def stopped(self) -> int:
         """Stop holding; the most connections held open at once."""
         _docker(self.peer, "touch", self.stop_file)
-        out, _ = self.process.communicate(timeout=30)
+        assert self.process.stdout is not None
+        out = self.process.stdout.read()  # its stdin is closed: no communicate()
+        self.process.wait(timeout=30)
         _docker(self.peer, "rm", "-f", self.stop_file)
         return int(out.strip() or 0)
 
