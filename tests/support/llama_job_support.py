@@ -29,7 +29,8 @@ TOOL = Path(build.build(ROOT / ".cache" / "llama-job")["path"])
 
 
 # The job each agent starts: rank 0 listens on the gate port (like torchrun's store), both
-# "train" STEPS steps of STEP_S seconds, rank 0 appends one trainer-log record per step.
+# "train" STEPS steps of STEP_S seconds (fewer once the file STOP_FILE names exists), rank 0
+# appends one trainer-log record per step.
 JOB = r"""
 import json, os, socket, sys, time
 host, progress = sys.argv[1], sys.argv[2]
@@ -91,6 +92,8 @@ for step in range(1, steps + 1):
     if progress:
         with open(progress, "a") as log:
             log.write(json.dumps({"current_steps": step, "total_steps": steps}) + "\n")
+    if os.path.exists(os.environ.get("STOP_FILE", "/nonexistent")):  # the test says: finish now
+        break
 if os.environ.get("MARK_RANKS"):  # every rank of the node reached the last step
     for rank in os.environ["MARK_RANKS"].split(","):
         mark(f"finished-rank{rank}.json",

@@ -198,7 +198,9 @@ def roomy_files():
 def test_hostile_clients_neither_stop_the_job_nor_cost_the_master_much(
     tmp_path: Path, roomy_files: None
 ):
-    pair = Pair(tmp_path, steps=150)  # 30 s of training
+    # The job trains until the attack is over (however long a loaded machine makes it), then ends.
+    stop = tmp_path / "stop"
+    pair = Pair(tmp_path, steps=3000, STOP_FILE=str(stop))
     try:
         pair.wait_running()
         agent = pair.procs["m"].pid
@@ -218,6 +220,7 @@ def test_hostile_clients_neither_stop_the_job_nor_cost_the_master_much(
         assert used < CPU_BOUND_S
         assert peak < PEAK_RSS_BOUND
         assert threads <= THREADS_BOUND
+        stop.touch()
         pair.wait_ended(timeout=60)
         assert pair.state("m")["phase"] == "succeeded", pair.logs()
         assert pair.state("w")["phase"] == "succeeded", pair.logs()
