@@ -26,6 +26,10 @@ import pytest
 from ansible_collections.llama.cluster.plugins.module_utils import driver
 from ansible_collections.llama.cluster.plugins.module_utils.llama_job.logs import read_env_file
 
+# One worker takes the whole module, so its module-scoped fixture (ansible-playbook runs)
+# runs once, not once per worker.
+pytestmark = pytest.mark.xdist_group("cuda-toolkit")
+
 ROOT = Path(__file__).resolve().parents[3]
 ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
 HOME = "/usr/local/cuda-12.8"

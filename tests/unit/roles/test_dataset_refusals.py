@@ -18,6 +18,10 @@ import pytest
 
 from tests.conftest import DATA
 
+# One worker takes the whole module, so its module-scoped fixture (ansible-playbook runs)
+# runs once, not once per worker.
+pytestmark = pytest.mark.xdist_group("dataset-refusals")
+
 ROOT = Path(__file__).resolve().parents[3]
 ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
 NODE = '{"ansible_host": "%s", "cluster_accelerator": "cpu", "nproc_per_node": 1}'

@@ -18,6 +18,10 @@ from pathlib import Path
 
 import pytest
 
+# One worker takes the whole module, so its module-scoped fixture (ansible-playbook runs)
+# runs once, not once per worker.
+pytestmark = pytest.mark.xdist_group("provision")
+
 PROJECT = Path(__file__).resolve().parents[3]
 ANSIBLE_PLAYBOOK = str(Path(sys.executable).with_name("ansible-playbook"))
 

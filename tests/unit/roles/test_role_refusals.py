@@ -21,6 +21,10 @@ import pytest
 
 from tests.support.role_cases import LOCAL, ROOT, run_cases
 
+# One worker takes the whole module, so its module-scoped fixture (ansible-playbook runs)
+# runs once, not once per worker.
+pytestmark = pytest.mark.xdist_group("role-refusals")
+
 SECRET = "FAKE-secret-value-9f2c"  # must never show in a message
 
 JOB = {"role": "job", "job_id": "run-1", "job_dir": "/nonexistent/run-1", "job_command": ["true"]}

@@ -24,6 +24,10 @@ from ansible_collections.llama.cluster.plugins.module_utils.planner.plan import 
 from llama_runner.extravars import unsafe_yaml
 from tests.support.planning import make_plan, nodes
 
+# One worker takes the whole module, so its module-scoped fixture (ansible-playbook runs)
+# runs once, not once per worker.
+pytestmark = pytest.mark.xdist_group("template-values")
+
 ROOT = Path(__file__).resolve().parents[3]
 ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
 # What a value must survive: a line break (YAML's every kind), a key of its own, quotes, a
